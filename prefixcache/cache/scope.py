@@ -1,0 +1,31 @@
+"""CacheScope: everything that changes a prefix's meaning or who may read it. Its hash roots every cache key."""
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+import xxhash
+
+SHARED_TENANT = "*shared*"
+
+
+@dataclass(frozen=True)
+class CacheScope:
+    tenant: str = "local"
+    labels: tuple[str, ...] = ()  # permission set, security tier, ...
+    fingerprint: str = ""  # the weights' fingerprint; the engine fills it in
+    adapter: str = ""
+    tool_config: str = ""  # hash of the tool definitions
+    policy: str = ""  # policy or template version
+    salt: str = ""  # client-supplied: only ever narrows a scope
+
+    def __post_init__(self):
+        object.__setattr__(self, "labels", tuple(sorted(set(self.labels))))
+
+    @cached_property
+    def key(self) -> bytes:
+        fields = (self.tenant, ",".join(self.labels), self.fingerprint, self.adapter, self.tool_config, self.policy,
+                  self.salt)
+        return xxhash.xxh3_128_digest("\x1f".join(f"{len(f)}:{f}" for f in fields).encode())
+
+    def shared(self) -> "CacheScope":
+        """The operator-declared scope shared across tenants, labels and salts (never across weights)."""
+        return replace(self, tenant=SHARED_TENANT, labels=(), salt="")

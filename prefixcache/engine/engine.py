@@ -1,0 +1,127 @@
+"""The engine: one owner of all mutable state (pool, cache, queues). Callers add requests and call step()."""
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from prefixcache.cache.manager import CacheManager
+from prefixcache.cache.pool import KVPool
+from prefixcache.cache.scope import CacheScope
+from prefixcache.config import Config
+from prefixcache.engine.runner import ModelRunner
+from prefixcache.engine.sampler import Sampler
+from prefixcache.engine.scheduler import Scheduler
+from prefixcache.engine.sequence import Breakpoint, RequestOutput, SamplingParams, Sequence, Status
+from prefixcache.models.llama import Llama
+from prefixcache.models.loader import load
+
+
+class Engine:
+    def __init__(self, config: Config):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        t0 = time.perf_counter()
+        weights = load(config.model, getattr(torch, config.dtype))
+        self.load_seconds = time.perf_counter() - t0
+        self.tokenizer = weights.tokenizer
+        self.model_config = weights.config
+        self.model_name = weights.name
+        self.fingerprint = weights.fingerprint
+        self.max_model_len = min(config.max_model_len or weights.config.max_position, weights.config.max_position)
+        c = weights.config
+        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, config.kv_cache_bytes,
+                           getattr(torch, config.kv_dtype))
+        self.manager = CacheManager(self.pool, config.enable_prefix_cache, config.min_cache_tokens,
+                                    config.default_ttl, config.shared_prefixes)
+        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps)
+        self.runner = ModelRunner(Llama(weights, config.attn_tile), self.pool)
+        self.sampler = Sampler()
+        self.ttfts: list[float] = []
+        self.num_steps = 0
+
+    def add_request(self, prompt: list[int], params: SamplingParams, scope: CacheScope | None = None,
+                    breakpoints: list[Breakpoint] = (), priority: int = 0) -> Sequence:
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; the context window is {self.max_model_len}")
+        if any(t < 0 or t >= self.model_config.vocab_size for t in prompt):
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.model_config.vocab_size})")
+        for b in breakpoints:
+            if not 0 < b.position <= len(prompt):
+                raise ValueError(f"breakpoint at {b.position} is outside the prompt (1..{len(prompt)})")
+        needed = -(-(len(prompt) + 1) // self.config.block_size)
+        if needed > self.pool.usable_blocks:
+            raise ValueError(f"prompt needs {needed} KV blocks; the budget holds {self.pool.usable_blocks}")
+        scope = dataclasses.replace(scope or CacheScope(), fingerprint=self.fingerprint)
+        seq = Sequence(prompt, params, scope, list(breakpoints), priority)
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """Run one batch; returns the sequences that received a token or finished."""
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        logits = self.runner.run(plan)
+        self.num_steps += 1
+        touched = []
+        for seq, n in plan:
+            seq.num_computed += n
+            self.manager.publish(seq)
+            if seq.id in logits:
+                self._append(seq, self.sampler.sample(logits[seq.id], seq.id, seq.params))
+                touched.append(seq)
+        return touched
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.status is not Status.FINISHED:
+            seq.finish_reason = "abort"
+            self.scheduler.abort(seq)
+            self.sampler.forget(seq.id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        end = seq.finish_time
+        return RequestOutput(
+            request_id=seq.id, prompt_token_ids=seq.tokens[:seq.num_prompt], token_ids=seq.output_ids, text=seq.text,
+            finish_reason=seq.finish_reason, cached_tokens=seq.num_cached or 0, cache_write_tokens=dict(seq.cache_write),
+            scope_kind=seq.scope_kind,
+            ttft=seq.first_token_time - seq.arrival if seq.first_token_time else None,
+            latency=end - seq.arrival if end else None,
+        )
+
+    def stats(self) -> dict:
+        s = self.manager.stats()
+        s["saved_prefill_tokens"] = s["hit_tokens"]
+        s["ttft_p50"] = statistics.median(self.ttfts) if self.ttfts else None
+        s["ttft_mean"] = statistics.fmean(self.ttfts) if self.ttfts else None
+        s["running"] = len(self.scheduler.running)
+        s["waiting"] = len(self.scheduler.waiting)
+        return s
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.ttfts.append(now - seq.arrival)
+        seq.tokens.append(token)
+        p = seq.params
+        eos = token in self.model_config.eos_token_ids and not p.ignore_eos
+        seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        stop_at = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
+        if stop_at >= 0:
+            seq.text = seq.text[:stop_at]
+        if eos or stop_at >= 0:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+            seq.finish_reason = "length"
+        else:
+            return
+        seq.finish_time = now
+        self.scheduler.finish(seq)
+        self.sampler.forget(seq.id)

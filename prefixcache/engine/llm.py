@@ -1,0 +1,42 @@
+"""LLM: the offline, vLLM-style API over the engine."""
+from prefixcache.cache.scope import CacheScope
+from prefixcache.config import Config
+from prefixcache.engine.engine import Engine
+from prefixcache.engine.sequence import Breakpoint, RequestOutput, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "", enable_prefix_cache: bool = True, **config):
+        self.engine = Engine(Config(model=model, enable_prefix_cache=enable_prefix_cache, **config))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
+                 scope: CacheScope | None = None, breakpoints: list[Breakpoint] = ()) -> list[RequestOutput]:
+        """Generate for each prompt (text, or token ids) concurrently; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        token_lists = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        seqs = [self.engine.add_request(t, params, scope, breakpoints) for t in token_lists]
+        while any(s.finish_reason is None for s in seqs):
+            self.engine.step()
+        return [self.engine.output(s) for s in seqs]
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             scope: CacheScope | None = None) -> RequestOutput | list[RequestOutput]:
+        """One conversation gives one output; a list of conversations gives a list."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        outs = self.generate([self.encode_chat(m) for m in ([messages] if single else messages)], params, scope)
+        return outs[0] if single else outs
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        if not messages:
+            raise ValueError("messages is empty")
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+
+    def cache_stats(self) -> dict:
+        return self.engine.stats()

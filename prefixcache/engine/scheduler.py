@@ -1,0 +1,91 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens."""
+from collections import deque
+
+from prefixcache.cache.manager import CacheManager
+from prefixcache.engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, manager: CacheManager, max_num_seqs: int, max_batch_tokens: int, fairness_steps: int):
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.fairness_steps = fairness_steps
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.manager.prepare(seq)
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to compute) pairs: decodes first, then prefill chunks, within the token budget."""
+        budget = self.max_batch_tokens
+        plan: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue
+            n = min(seq.num_uncomputed, budget)
+            while not self.manager.grow(seq, n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                plan.append((seq, n))
+                budget -= n
+        plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
+        for seq in self._admission_order():
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if self._waits_for_inflight(seq):
+                continue
+            if not self.manager.admit(seq):
+                break  # the head of the queue waits for memory rather than being overtaken forever
+            self.waiting.remove(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed, budget)
+            plan.append((seq, n))
+            budget -= n
+        for seq in self.waiting:
+            seq.skipped += 1
+        return sorted(plan, key=lambda p: p[1] != 1)  # decode rows first, so they batch into one group
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give a running sequence's blocks back (its computed blocks stay cached) and requeue it."""
+        self.manager.release(seq, finished=False)
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        self.manager.prepare(seq)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        self.manager.release(seq, finished=True)
+        self.running.remove(seq)
+        seq.status = Status.FINISHED
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.status is Status.RUNNING:
+            self.finish(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+            seq.status = Status.FINISHED
+
+    def _admission_order(self) -> list[Sequence]:
+        """Longest cached prefix first, except that a request passed over `fairness_steps` times goes first."""
+        if self.manager.cache is None or len(self.waiting) < 2:
+            return list(self.waiting)
+        hits = {seq.id: len(self.manager.match(seq)) for seq in self.waiting}
+        return sorted(self.waiting, key=lambda s: (s.skipped < self.fairness_steps, -hits[s.id], s.arrival))
+
+    def _waits_for_inflight(self, seq: Sequence) -> bool:
+        """True if a running prefill is computing the next block of this request's prefix: wait, then hit."""
+        if self.manager.cache is None:
+            return False
+        m = self.manager.match(seq)
+        j = len(m.nodes)
+        if j >= len(seq.keys):
+            return False
+        nxt = seq.keys[j]
+        return any(nxt in s.keys[s.num_computed // self.manager.bs:] for s in self.running if s.num_uncomputed > 1)
