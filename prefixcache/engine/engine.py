@@ -55,8 +55,7 @@ class Engine:
         needed = -(-(len(prompt) + 1) // self.config.block_size)
         if needed > self.pool.usable_blocks:
             raise ValueError(f"prompt needs {needed} KV blocks; the budget holds {self.pool.usable_blocks}")
-        scope = dataclasses.replace(scope or CacheScope(), fingerprint=self.fingerprint)
-        seq = Sequence(prompt, params, scope, list(breakpoints), priority)
+        seq = Sequence(prompt, params, self.scope(scope), list(breakpoints), priority)
         self.scheduler.add(seq)
         return seq
 
@@ -81,6 +80,19 @@ class Engine:
             seq.finish_reason = "abort"
             self.scheduler.abort(seq)
             self.sampler.forget(seq.id)
+
+    def scope(self, scope: CacheScope | None = None) -> CacheScope:
+        """The request scope with this engine's weights fingerprint filled in."""
+        return dataclasses.replace(scope or CacheScope(), fingerprint=self.fingerprint)
+
+    def purge(self, scope: CacheScope) -> int:
+        """Drop a scope's unreferenced cache entries; returns blocks freed."""
+        cache = self.manager.cache
+        return cache.purge(self.scope(scope).key) if cache else 0
+
+    def clear_cache(self) -> int:
+        cache = self.manager.cache
+        return cache.clear() if cache else 0
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
