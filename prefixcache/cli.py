@@ -24,6 +24,23 @@ def cmd_convert(args) -> None:
     print(f"wrote {args.out}")
 
 
+def cmd_serve(args) -> None:
+    import logging
+
+    import uvicorn
+
+    from prefixcache.server.app import ServeConfig, create_app
+
+    cfg = ServeConfig(model=args.model, api_keys=args.api_keys, prefix_cache=not args.no_prefix_cache,
+                      cache_memory_gb=args.cache_memory_gb, shared_prefixes=args.shared_prefixes,
+                      min_cache_tokens=args.min_cache_tokens, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs)
+    if args.host not in ("127.0.0.1", "localhost") and not args.api_keys:
+        print(f"prefixcache: warning: serving {args.host} without --api-keys: anyone who can reach it is admin",
+              file=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="info")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="prefixcache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +59,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("gguf")
     p.add_argument("out")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("serve", help="serve the OpenAI- and Anthropic-compatible HTTP APIs")
+    p.add_argument("--model", default="")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-keys", default=None, help='JSON: {"sk-key": {"tenant": "acme", "labels": [], "admin": false}}')
+    p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--cache-memory-gb", type=float, default=2.0, help="KV budget for live and cached blocks")
+    p.add_argument("--shared-prefixes", default=None, help="JSON list of system prompts shared by all tenants")
+    p.add_argument("--min-cache-tokens", type=int, default=1024, help="shorter prefixes are never cached")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 / 529")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
+    p.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     try:

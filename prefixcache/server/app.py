@@ -1,0 +1,141 @@
+"""The FastAPI app: routes shared by both APIs (health, models, metrics, cache admin) and the Server state.
+
+Model names: a request may name the served model (e.g. "SmolLM2-135M-Instruct.Q4_1") or "default"; anything
+else is a 404 in that API's format.
+"""
+import asyncio
+import json
+import os
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from prefixcache.cache.scope import CacheScope
+from prefixcache.config import Config
+from prefixcache.engine.engine import Engine
+from prefixcache.engine.sequence import Breakpoint, SamplingParams
+from prefixcache.server.auth import Principal, authenticate, load_keys
+from prefixcache.server.errors import ApiError
+from prefixcache.server.generation import Generation
+from prefixcache.server.metrics import Metrics
+from prefixcache.server.prompt import encode_system
+from prefixcache.server.worker import EngineWorker
+
+MODEL_ALIAS = "default"
+
+
+@dataclass
+class ServeConfig:
+    model: str = ""
+    api_keys: str | None = None  # JSON key file; None: one local tenant, no auth
+    prefix_cache: bool = True
+    cache_memory_gb: float = 2.0
+    shared_prefixes: str | None = None  # JSON list of system-prompt strings shared by all tenants
+    min_cache_tokens: int = 1024
+    max_queue: int = 64  # waiting requests beyond the running batch; past it, 429 / 529
+    max_num_seqs: int = 16
+
+
+def load_engine(cfg: ServeConfig) -> Engine:
+    config = Config(model=cfg.model, enable_prefix_cache=cfg.prefix_cache, kv_cache_bytes=int(cfg.cache_memory_gb * 2**30),
+                    min_cache_tokens=cfg.min_cache_tokens, max_num_seqs=cfg.max_num_seqs)
+    if cfg.shared_prefixes:
+        # the prefixes are token ids, so the tokenizer is needed before the engine exists
+        from transformers import AutoTokenizer
+
+        from prefixcache.models.loader import converted_folder
+        with open(cfg.shared_prefixes) as f:
+            texts = json.load(f)
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise ValueError(f"{cfg.shared_prefixes}: expected a JSON list of system-prompt strings")
+        folder = config.model if os.path.isdir(config.model) else converted_folder(config.model)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        config.shared_prefixes = [encode_system(tokenizer, t) for t in texts]
+    return Engine(config)
+
+
+class Server:
+    def __init__(self, cfg: ServeConfig, engine: Engine):
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.keys = load_keys(cfg.api_keys) if cfg.api_keys else None
+        self.metrics = Metrics(engine.model_name)
+        self.worker: EngineWorker | None = None  # started with the event loop
+
+    def auth(self, request: Request) -> Principal:
+        return authenticate(self.keys, request.headers)
+
+    def check_model(self, model: str) -> None:
+        if model not in (self.model_name, MODEL_ALIAS):
+            raise ApiError(404, f"model {model!r} not found; this server serves {self.model_name!r} "
+                                f"(alias {MODEL_ALIAS!r})", param="model", code="model_not_found")
+
+    async def generate(self, api: str, principal: Principal, prompt: list[int], params: SamplingParams,
+                       salt: str = "", breakpoints: list[Breakpoint] = ()) -> Generation:
+        """Submit a validated request and wait for its first token."""
+        if len(prompt) >= self.engine.max_model_len:
+            raise ApiError(400, f"prompt has {len(prompt)} tokens; the context window is {self.engine.max_model_len}",
+                           param="messages", code="context_length_exceeded")
+        if self.worker.in_flight >= self.cfg.max_num_seqs + self.cfg.max_queue:
+            raise ApiError(529 if api == "anthropic" else 429, "server is over capacity; retry later")
+        scope = CacheScope(tenant=principal.tenant, labels=principal.labels, salt=salt)
+        gen = Generation(self, self.worker.submit(prompt, params, scope, list(breakpoints)), api, principal.tenant,
+                         params.stop)
+        await gen.start()
+        return gen
+
+
+def create_app(cfg: ServeConfig, engine: Engine | None = None) -> FastAPI:
+    from prefixcache.server import anthropic, openai
+
+    server = Server(cfg, engine or load_engine(cfg))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.worker = EngineWorker(server.engine, asyncio.get_running_loop())
+        server.worker.start()
+        yield
+        server.worker.stop()
+
+    app = FastAPI(title="prefixcache", lifespan=lifespan)
+    app.state.server = server
+    app.include_router(openai.router)
+    app.include_router(anthropic.router)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        api = "anthropic" if request.url.path.startswith("/v1/messages") else "openai"
+        server.metrics.status(api, e.status)
+        return e.anthropic() if api == "anthropic" else e.openai()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": server.model_name}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.auth(request)
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                            "owned_by": "prefixcache"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        stats = await server.worker.call(lambda e: e.stats())
+        return Response(server.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    @app.delete("/v1/cache")
+    async def purge(request: Request):
+        """An admin key clears the whole cache; any other key purges its own tenant and labels (every salt)."""
+        p = server.auth(request)
+        if p.admin:
+            freed = await server.worker.call(lambda e: e.clear_cache())
+            return JSONResponse({"purged_blocks": freed, "scope": "all"})
+        freed = await server.worker.call(lambda e: server.worker.purge_scopes(p.tenant, p.labels))
+        return JSONResponse({"purged_blocks": freed, "scope": "tenant", "tenant": p.tenant})
+
+    return app

@@ -1,0 +1,42 @@
+"""ApiError and its two renderings: OpenAI's and Anthropic's error bodies."""
+import json
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   500: "api_error", 529: "overloaded_error"}
+OPENAI_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def openai(self) -> JSONResponse:
+        kind = OPENAI_TYPES.get(self.status, "invalid_request_error")
+        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}},
+                            self.status)
+
+    def anthropic(self) -> JSONResponse:
+        kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": self.message}}, self.status)
+
+
+async def parse(request, model: type[BaseModel]):
+    """The request body as `model`, or a 400 ApiError naming the first bad field."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}")
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"])
+        raise ApiError(400, f"{param}: {err['msg']}", param=param)

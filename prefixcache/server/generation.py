@@ -1,0 +1,96 @@
+"""Generation: one submitted request seen from its HTTP handler: admission, text deltas, accounting, log line."""
+import json
+import logging
+import time
+
+from prefixcache.engine.sequence import RequestOutput
+from prefixcache.server.errors import ApiError
+from prefixcache.server.worker import Handle, Update
+
+log = logging.getLogger("prefixcache.request")
+
+
+class Generation:
+    def __init__(self, server, handle: Handle, api: str, tenant: str, stop: list[str]):
+        self.server, self.handle, self.api, self.tenant = server, handle, api, tenant
+        self.holdback = max((len(s) for s in stop), default=1) - 1  # a stop string may still be completing
+        self.pending: Update | None = None
+        self.output: RequestOutput | None = None
+        self.token_times: list[float] = []
+        self.sent = ""
+        self.start_time = time.monotonic()
+
+    async def start(self) -> None:
+        """Wait until the first token (so the cached prefix is known); an engine refusal becomes an ApiError."""
+        self.pending = await self._next()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.handle.seq.num_prompt
+
+    @property
+    def cached_tokens(self) -> int:
+        # written by the engine thread at admission, before the first update was queued to us
+        return self.handle.seq.num_cached or 0
+
+    @property
+    def cache_write(self) -> dict[str, int]:
+        """Prompt tokens written to the cache by TTL; complete for breakpoints once the first token exists."""
+        return self.output.cache_write_tokens if self.output else dict(self.handle.seq.cache_write)
+
+    def header(self) -> dict[str, str]:
+        seq = self.handle.seq
+        return {"x-prefix-cache": f"cached={self.cached_tokens}; prompt={seq.num_prompt}; scope={seq.scope_kind}"}
+
+    async def deltas(self):
+        """New output text, held back while it may be the start of a stop string or an incomplete character."""
+        try:
+            while True:
+                u = self.pending or await self._next()
+                self.pending = None
+                text = u.text
+                if u.output is None:
+                    text = text[:len(text) - self.holdback].rstrip("\ufffd")
+                if len(text) > len(self.sent) and text.startswith(self.sent):
+                    delta, self.sent = text[len(self.sent):], text
+                    yield delta
+                if u.output is not None:
+                    self.output = u.output
+                    return
+        finally:
+            self.close()
+
+    async def text(self) -> str:
+        return "".join([d async for d in self.deltas()])
+
+    def close(self, status: int = 200) -> None:
+        if self.handle.done:
+            return
+        self.server.worker.finished(self.handle)
+        out, m = self.output, self.server.metrics
+        if out is not None:
+            m.finish(out, self.token_times)
+        elif status == 200:
+            m.success.labels(m.model_name, "abort").inc()
+        if status == 200:  # errors are counted where they are rendered
+            m.status(self.api, status)
+        seq = self.handle.seq
+        log.info(json.dumps({
+            "api": self.api, "tenant": self.tenant, "status": status,
+            "finish_reason": out.finish_reason if out else ("abort" if status == 200 else None),
+            "prompt_tokens": seq.num_prompt if seq else None, "cached_tokens": self.cached_tokens if seq else None,
+            "completion_tokens": len(out.token_ids) if out else None,
+            "cache_write_tokens": out.cache_write_tokens if out else None,
+            "scope": seq.scope_kind if seq else None,
+            "ttft": round(out.ttft, 4) if out and out.ttft else None,
+            "latency": round(time.monotonic() - self.start_time, 4),
+        }))
+
+    async def _next(self) -> Update:
+        u = await self.handle.updates.get()
+        if u.error is not None:
+            status = 500 if u.internal else 400
+            self.close(status)
+            raise ApiError(status, u.error)
+        self.token_times.append(u.time)
+        return u

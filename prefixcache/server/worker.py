@@ -1,0 +1,142 @@
+"""EngineWorker: the one thread that owns the Engine. HTTP handlers talk to it only through its inbox.
+
+The engine is not thread-safe, so every engine call (add_request, step, abort, purge, stats) runs on this
+thread. Handlers put closures into a thread-safe inbox; the thread drains it between steps, steps while work
+exists, blocks on the inbox when idle, and hands each request's updates to the asyncio side with
+`loop.call_soon_threadsafe` into that request's asyncio.Queue.
+"""
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from prefixcache.cache.scope import CacheScope
+from prefixcache.engine.engine import Engine
+from prefixcache.engine.sequence import Breakpoint, RequestOutput, SamplingParams, Sequence
+
+log = logging.getLogger("prefixcache.engine")
+
+
+@dataclass
+class Update:
+    text: str  # the output so far
+    time: float  # time.monotonic() on the engine thread
+    output: RequestOutput | None = None  # set on the last update
+    error: str | None = None  # the engine refused the request (ValueError) or failed
+    internal: bool = False  # the error is the engine's fault, not the client's
+
+
+@dataclass
+class Handle:
+    """One request as the asyncio side sees it."""
+
+    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq: Sequence | None = None  # written by the engine thread
+    done: bool = False
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.loop = loop
+        self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.live: dict[int, Handle] = {}  # seq id -> handle, engine thread only
+        self.scopes: set[CacheScope] = set()  # every scope a request used, for purges; engine thread only
+        self.in_flight = 0  # submitted and not yet finished; asyncio side only
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        self.thread.join()
+
+    # ---- asyncio side -------------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], params: SamplingParams, scope: CacheScope,
+               breakpoints: list[Breakpoint]) -> Handle:
+        handle = Handle()
+        self.in_flight += 1
+
+        def add():
+            try:
+                handle.seq = self.engine.add_request(prompt, params, scope, breakpoints)
+            except ValueError as e:
+                self._deliver(handle, Update("", time.monotonic(), error=str(e)))
+                return
+            self.scopes.add(handle.seq.scope)
+            self.live[handle.seq.id] = handle
+
+        self.inbox.put(add)
+        return handle
+
+    def finished(self, handle: Handle) -> None:
+        """The handler is done with this request; abort it in the engine if it still runs (a disconnect)."""
+        if handle.done:
+            return
+        handle.done = True
+        self.in_flight -= 1
+
+        def abort():
+            if handle.seq is not None and self.live.pop(handle.seq.id, None):
+                self.engine.abort(handle.seq)
+
+        self.inbox.put(abort)
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run fn(engine) on the engine thread and await its result."""
+        fut = self.loop.create_future()
+
+        def run():
+            try:
+                result = fn(self.engine)
+            except Exception as e:  # handed to the awaiting handler, which decides what it means
+                self.loop.call_soon_threadsafe(fut.set_exception, e)
+            else:
+                self.loop.call_soon_threadsafe(fut.set_result, result)
+
+        self.inbox.put(run)
+        return await fut
+
+    # ---- engine thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            block = not self.engine.has_unfinished()
+            while True:
+                try:
+                    op = self.inbox.get(block=block)
+                except queue.Empty:
+                    break
+                if op is None:
+                    return
+                op()
+                block = False
+            try:
+                touched = self.engine.step()
+            except Exception:  # an engine bug: fail the live requests, keep serving
+                log.exception("engine step failed")
+                for handle in self.live.values():
+                    self.engine.abort(handle.seq)
+                    self._deliver(handle, Update("", time.monotonic(), error="internal engine error", internal=True))
+                self.live.clear()
+                continue
+            now = time.monotonic()
+            for seq in touched:
+                handle = self.live.get(seq.id)
+                if handle is None:
+                    continue
+                out = None
+                if seq.finish_reason is not None:
+                    out = self.engine.output(seq)
+                    del self.live[seq.id]
+                self._deliver(handle, Update(seq.text, now, out))
+
+    def _deliver(self, handle: Handle, update: Update) -> None:
+        self.loop.call_soon_threadsafe(handle.updates.put_nowait, update)
+
+    def purge_scopes(self, tenant: str, labels: tuple[str, ...]) -> int:
+        """Engine thread: purge every scope of this tenant and label set that has been seen (any salt)."""
+        return sum(self.engine.purge(s) for s in self.scopes if s.tenant == tenant and s.labels == labels)
