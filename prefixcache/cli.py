@@ -41,6 +41,28 @@ def cmd_serve(args) -> None:
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="info")
 
 
+def cmd_lint(args) -> None:
+    from prefixcache.lint.check import Options
+    from prefixcache.lint.run import lint
+
+    if not args.files and not args.requests:
+        raise ValueError("lint: give FILE... and/or --requests LOG")
+    opt = Options(min_tokens=args.min_tokens, prefix_tokens=args.prefix_tokens, block_size=args.block_size)
+    report = lint(args.files, opt, args.requests, args.model)
+    print(report.to_json() if args.format == "json" else report.to_text())
+    sys.exit(1 if report.errors else 0)
+
+
+def cmd_diff(args) -> None:
+    import json
+    from dataclasses import asdict
+
+    from prefixcache.lint.run import diff
+
+    result = diff(args.a, args.b, args.block_size, args.model)
+    print(json.dumps(asdict(result.divergence), indent=2) if args.format == "json" else result.to_text())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="prefixcache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +94,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 / 529")
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("lint", help="lint prompt templates and logged requests for prefix-cache killers")
+    p.add_argument("files", nargs="*", help="request .json/.jsonl (OpenAI or Anthropic) or plain-text templates")
+    p.add_argument("--requests", action="append", default=[], metavar="LOG",
+                   help="a JSONL request log: also report hit rate per template, actual vs achievable")
+    p.add_argument("--format", choices=["text", "json"], default="text")
+    p.add_argument("--min-tokens", type=int, default=1024, help="minimum cacheable prefix length")
+    p.add_argument("--prefix-tokens", type=int, default=0, help="only lint the first N tokens (0: up to the "
+                   "last breakpoint, else up to the final message)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--model", default="", help="GGUF file or HF folder whose tokenizer and chat template to use")
+    p.set_defaults(func=cmd_lint)
+
+    p = sub.add_parser("diff", help="where two requests' prompts diverge, and how much prefix is reusable")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--format", choices=["text", "json"], default="text")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--model", default="")
+    p.set_defaults(func=cmd_diff)
 
     args = parser.parse_args(argv)
     try:

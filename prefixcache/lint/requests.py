@@ -37,6 +37,10 @@ class Request:
         return self.file_text.count("\n", 0, self.start) + 1
 
     @property
+    def start_location(self) -> tuple[int, int]:
+        return self._line_col(self.start)
+
+    @property
     def placeholders(self) -> list[re.Match]:
         return list(PLACEHOLDER.finditer(self.fields[0].text)) if self.template else []
 

@@ -23,7 +23,7 @@ RULES = {r.code: r for r in [
     Rule("PC105", "error", "text that varies across requests of one template", "make it static or move it to the end"),
     Rule("PC201", "error", "per-request placeholder before static material", "move the placeholder after the static text"),
     Rule("PC301", "warning", "tools not in canonical order", "sort tools by name before sending"),
-    Rule("PC302", "warning", "JSON schema keys not in canonical order", "serialize with sorted keys (json.dumps(..., sort_keys=True))"),
+    Rule("PC302", "warning", "JSON schema properties not in canonical order", "serialize with sorted keys (json.dumps(..., sort_keys=True))"),
     Rule("PC401", "error", "same object serialized differently across requests", "serialize with sorted keys and fixed separators"),
     Rule("PC501", "warning", "trailing whitespace", "strip trailing whitespace from every line"),
     Rule("PC502", "warning", "mixed newlines or indentation", "normalize to \\n and one indentation style"),
