@@ -4,10 +4,11 @@ from dataclasses import dataclass
 from prefixcache.lint.check import Checker, Options
 from prefixcache.lint.diff import Divergence, context, explain
 from prefixcache.lint.fingerprint import fingerprint, normalize
-from prefixcache.lint.log import analyze
+from prefixcache.lint.log import analyze, classify
 from prefixcache.lint.render import Rendered, load_tokenizer, render
 from prefixcache.lint.report import Report
 from prefixcache.lint.requests import load
+from prefixcache.lint.rules import RULES
 
 
 def lint(paths: list[str], opt: Options, logs: list[str] = (), model: str = "") -> Report:
@@ -55,6 +56,8 @@ class DiffResult:
             tok = r.ids[d.token_index] if d.token_index < len(r.ids) else None
             lines.append(f"{name}: first diverging token {d.token_index} ({tok}) at {where}")
             lines.append(f"   {context(r.text, d.char)}")
+        code, detail = classify(a, b, d)
+        lines.append(f"likely cause: {code} {RULES[code].title} {detail!r}" if code in RULES else f"likely cause: {code}")
         return "\n".join(lines)
 
 
