@@ -50,7 +50,7 @@ def fingerprint(req: Request, chat_template: str = "") -> str:
     return h.hexdigest()
 
 
-def group_key(req: Request, head_chars: int = 200) -> str:
+def group_key(req: Request, head_chars: int = 120) -> str:
     """Requests of one template share the normalized start of their static part, even across template versions."""
     head = "\x1e".join(f.text for f in static_fields(normalize(req)))[:head_chars]
     return xxhash.xxh64(head.encode()).hexdigest()
