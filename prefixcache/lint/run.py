@@ -1,4 +1,5 @@
 """Entry points behind `prefixcache lint` and `prefixcache diff`."""
+from collections import Counter
 from dataclasses import dataclass
 
 from prefixcache.lint.check import Checker, Options
@@ -6,7 +7,7 @@ from prefixcache.lint.diff import Divergence, context, explain
 from prefixcache.lint.fingerprint import fingerprint, normalize
 from prefixcache.lint.log import analyze, classify
 from prefixcache.lint.render import Rendered, load_tokenizer, render
-from prefixcache.lint.report import Report
+from prefixcache.lint.report import Finding, Report
 from prefixcache.lint.requests import load
 from prefixcache.lint.rules import RULES
 
@@ -16,8 +17,7 @@ def lint(paths: list[str], opt: Options, logs: list[str] = (), model: str = "") 
     tok, report = load_tokenizer(model), Report()
     for path in [*paths, *logs]:
         rendered = [render(req, tok) for req in load(path)]
-        for r in rendered:
-            report.findings += Checker(r, opt).run()
+        report.findings += _collapse([f for r in rendered for f in Checker(r, opt).run()])
         if len(rendered) > 1 or path in logs:
             normalized = [render(normalize(r.request), tok) for r in rendered]
             findings, groups = analyze(rendered, normalized, opt, tok.chat_template or "")
@@ -27,6 +27,18 @@ def lint(paths: list[str], opt: Options, logs: list[str] = (), model: str = "") 
         else:
             report.fingerprints += [_fingerprint(r, tok) for r in rendered]
     return report
+
+
+def _collapse(findings: list[Finding]) -> list[Finding]:
+    """In a log, one finding per code and column (same template, same spot), with the number of requests."""
+    first: dict[tuple, Finding] = {}
+    counts = Counter((f.code, f.col) for f in findings)
+    for f in findings:
+        first.setdefault((f.code, f.col), f)
+    for key, f in first.items():
+        if counts[key] > 1:
+            f.message += f"; seen in {counts[key]} requests"
+    return list(first.values())
 
 
 def _fingerprint(r: Rendered, tok) -> dict:
