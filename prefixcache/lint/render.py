@@ -60,7 +60,7 @@ class Rendered:
 
 
 def render(req: Request, tokenizer) -> Rendered:
-    chat: list[tuple[str, list[Field]]] = []  # (role, fields joined by BLOCK_SEP into one content string)
+    chat: list[tuple[tuple[str, int | None], list[Field]]] = []  # ((role, message index), fields joined by BLOCK_SEP)
     tools = [f for f in req.fields if f.name.startswith("tools[")]
     for f in req.fields:
         if f.name.startswith("tools["):
