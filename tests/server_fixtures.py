@@ -1,0 +1,93 @@
+"""Real servers for the server tests: uvicorn in a background thread on a free loopback port, one per config.
+
+Servers are started on first use and shared by every test module of the session (model loads are slow).
+"""
+import atexit
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefixcache.server.app import ServeConfig, create_app
+
+KEYS = {"sk-acme": {"tenant": "acme", "labels": ["finance"]}, "sk-globex": {"tenant": "globex"},
+        "sk-admin": {"tenant": "ops", "admin": True}}
+SHARED_SYSTEM = ("You are the support assistant of the Example Corporation. Answer briefly, cite the handbook "
+                 "section you used, never invent policies, and escalate billing disputes to a human agent.")
+MIN_CACHE_TOKENS = 128
+
+
+@dataclass
+class Running:
+    url: str
+    server: object  # prefixcache.server.app.Server: its tokenizer and engine limits, read-only
+
+
+_running: dict[str, Running] = {}
+
+
+def _start(name: str, cfg: ServeConfig) -> Running:
+    if name in _running:
+        return _running[name]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(cfg)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, f"server {name} did not start"
+        time.sleep(0.05)
+
+    def stop():
+        server.should_exit = True
+        thread.join(10)
+
+    atexit.register(stop)
+    _running[name] = Running(f"http://127.0.0.1:{port}", app.state.server)
+    return _running[name]
+
+
+def main_server(tmp_path_factory) -> Running:
+    """Tenants from API keys, one declared shared prefix, prefix cache on."""
+    d = tmp_path_factory.getbasetemp()
+    (d / "keys.json").write_text(json.dumps(KEYS))
+    (d / "shared.json").write_text(json.dumps([SHARED_SYSTEM]))
+    return _start("main", ServeConfig(api_keys=str(d / "keys.json"), shared_prefixes=str(d / "shared.json"),
+                                      cache_memory_gb=0.25, min_cache_tokens=MIN_CACHE_TOKENS))
+
+
+def nocache_server() -> Running:
+    """Prefix cache off, no auth, one running request and one waiting: easy to fill up."""
+    return _start("nocache", ServeConfig(prefix_cache=False, cache_memory_gb=0.1, min_cache_tokens=0, max_queue=1,
+                                         max_num_seqs=1))
+
+
+def long_system(tag: str, n: int = 25) -> str:
+    """A system prompt of ~12 tokens per rule that starts with `tag`, so no earlier test shares its first block."""
+    return f"[{tag}] " + " ".join(f"Rule {i}: when asked about {tag}, answer in plain words and stay on topic."
+                                  for i in range(n))
+
+
+def metrics(url: str) -> dict[tuple, float]:
+    """Samples of /metrics keyed by (name, sorted label items without model_name)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def prefix_header(headers) -> dict[str, str]:
+    """x-prefix-cache: cached=<n>; prompt=<n>; scope=<kind> as a dict."""
+    return dict(part.strip().split("=") for part in headers["x-prefix-cache"].split(";"))

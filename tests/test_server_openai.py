@@ -1,0 +1,177 @@
+"""OpenAI API against a real server: chat and completions, streaming, cached_tokens, tenants, purge, metrics."""
+import httpx
+import pytest
+from openai import OpenAI
+from server_fixtures import SHARED_SYSTEM, long_system, main_server, metrics, nocache_server, prefix_header
+
+from prefixcache.server.prompt import encode_system
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    return main_server(tmp_path_factory)
+
+
+def client(srv, key="sk-acme") -> OpenAI:
+    return OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0)
+
+
+def chat(srv, system: str, user: str = "What should I do?", key="sk-acme", **kw):
+    """One greedy chat request; returns (completion, x-prefix-cache header as a dict)."""
+    raw = client(srv, key).chat.completions.with_raw_response.create(
+        model="default", messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+        max_tokens=8, temperature=0, **kw)
+    return raw.parse(), prefix_header(raw.headers)
+
+
+def test_chat_reports_cached_tokens_on_the_second_request(srv):
+    system = long_system("chat-cache")
+    first, h1 = chat(srv, system)
+    second, h2 = chat(srv, system)
+    assert first.usage.prompt_tokens > MIN_PROMPT
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 and h1["scope"] == "none"
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 16 and cached < second.usage.prompt_tokens
+    assert h2 == {"cached": str(cached), "prompt": str(second.usage.prompt_tokens), "scope": "own"}
+    assert second.choices[0].message.content == first.choices[0].message.content  # warm == cold
+    assert second.choices[0].finish_reason in ("stop", "length") and second.usage.completion_tokens <= 8
+
+
+MIN_PROMPT = 200
+
+
+def test_warm_output_equals_output_with_the_cache_off(srv):
+    system = long_system("exactness")
+    chat(srv, system)
+    warm, h = chat(srv, system)
+    assert int(h["cached"]) > 0
+    cold, h_off = chat(nocache_server(), system)
+    assert h_off["cached"] == "0" and cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_no_prefix_cache_reports_zero():
+    srv = nocache_server()
+    system = long_system("nocache")
+    chat(srv, system)
+    second, _ = chat(srv, system)
+    assert second.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_streaming_chat_with_usage(srv):
+    system = long_system("stream")
+    chat(srv, system)
+    stream = client(srv).chat.completions.create(
+        model="default", messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
+        max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    blocking, _ = chat(srv, system, "Hi")
+    assert text == blocking.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == blocking.usage.completion_tokens
+
+
+def test_completions_streaming_and_not(srv):
+    prompt = long_system("completions")
+    c = client(srv)
+    first = c.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0)
+    second = c.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"some_unknown_field": {"x": 1}})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.choices[0].text == first.choices[0].text and first.choices[0].text
+    chunks = list(c.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == first.choices[0].text
+    ids = c.completions.create(model=srv.server.model_name, prompt=[1, 4093, 198], max_tokens=2, temperature=0)
+    assert ids.usage.prompt_tokens == 3 and ids.usage.prompt_tokens_details.cached_tokens < 3
+
+
+def test_stop_strings_cut_the_output(srv):
+    system = long_system("stop")
+    full, _ = chat(srv, system)
+    text = full.choices[0].message.content
+    assert len(text) > 3
+    cut, _ = chat(srv, system, stop=[text[2:4]])
+    assert cut.choices[0].message.content == text[:2] and cut.choices[0].finish_reason == "stop"
+
+
+def test_tenants_never_hit_each_other(srv):
+    system = long_system("tenants")
+    chat(srv, system, key="sk-acme")
+    _, globex = chat(srv, system, key="sk-globex")
+    _, acme = chat(srv, system, key="sk-acme")
+    assert globex["cached"] == "0"
+    assert int(acme["cached"]) > 0 and acme["scope"] == "own"
+
+
+def test_salt_and_prompt_cache_key_narrow_the_scope(srv):
+    system = long_system("salt")
+    chat(srv, system)
+    _, salted = chat(srv, system, extra_body={"cache_salt": "s1"})
+    _, salted_again = chat(srv, system, extra_body={"cache_salt": "s1"})
+    _, keyed = chat(srv, system, extra_body={"cache_salt": "s1", "prompt_cache_key": "k",
+                                             "prompt_cache_retention": "24h", "user": "u1"})
+    assert salted["cached"] == "0" and int(salted_again["cached"]) > 0 and keyed["cached"] == "0"
+
+
+def test_shared_prefix_hits_across_tenants_on_exactly_that_prefix(srv):
+    shared_len = len(encode_system(srv.server.tokenizer, SHARED_SYSTEM))
+    chat(srv, SHARED_SYSTEM, "Where is my invoice? " * 20, key="sk-acme")
+    _, h = chat(srv, SHARED_SYSTEM, "How do I reset my password? " * 20, key="sk-globex")
+    assert h == {"cached": str(shared_len), "prompt": h["prompt"], "scope": "shared"}
+    _, h = chat(srv, SHARED_SYSTEM, "How do I reset my password? " * 20, key="sk-globex")
+    assert int(h["cached"]) > shared_len and h["scope"] == "shared"  # the rest is globex's own
+
+
+def test_purge_own_scope_and_admin_clear(srv):
+    acme_system, globex_system = long_system("purge-acme"), long_system("purge-globex")
+    for system, key in ((acme_system, "sk-acme"), (globex_system, "sk-globex")):
+        chat(srv, system, key=key)
+        chat(srv, system, key=key, extra_body={"cache_salt": "other"})
+    r = httpx.delete(f"{srv.url}/v1/cache", headers={"Authorization": "Bearer sk-acme"})
+    assert r.status_code == 200 and r.json()["purged_blocks"] > 0 and r.json()["tenant"] == "acme"
+    _, acme = chat(srv, acme_system, key="sk-acme")
+    _, acme_salted = chat(srv, acme_system, key="sk-acme", extra_body={"cache_salt": "other"})
+    _, globex = chat(srv, globex_system, key="sk-globex")
+    assert acme["cached"] == "0" and acme_salted["cached"] == "0" and int(globex["cached"]) > 0
+    r = httpx.delete(f"{srv.url}/v1/cache", headers={"x-api-key": "sk-admin"})
+    assert r.status_code == 200 and r.json()["scope"] == "all" and r.json()["purged_blocks"] > 0
+    _, globex = chat(srv, globex_system, key="sk-globex")
+    assert globex["cached"] == "0"
+
+
+def test_metrics_move(srv):
+    system = long_system("metrics")
+    before = metrics(srv.url)
+    first, _ = chat(srv, system)
+    second, _ = chat(srv, system)
+    client(srv).models.list()
+    with pytest.raises(Exception):
+        client(srv).chat.completions.create(model="default", messages=[], max_tokens=4)
+    after = metrics(srv.url)
+
+    def moved(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert moved("prefixcache:prefix_cache_queries_total") == 2 * first.usage.prompt_tokens
+    assert moved("prefixcache:prefix_cache_hits_total") == second.usage.prompt_tokens_details.cached_tokens > 0
+    assert moved("prefixcache:e2e_request_latency_seconds_count") == 2
+    assert moved("prefixcache:time_to_first_token_seconds_count") == 2
+    assert moved("prefixcache:inter_token_latency_seconds_count") == \
+        first.usage.completion_tokens + second.usage.completion_tokens - 2
+    finished = sum(moved("prefixcache:request_success_total", finish_reason=r) for r in ("stop", "length"))
+    assert finished == 2
+    assert moved("prefixcache:requests_total", api="openai", status="200") == 2
+    assert moved("prefixcache:requests_total", api="openai", status="400") == 1
+    assert 0 < after[("prefixcache:kv_cache_usage_perc", ())] <= 1
+    assert after[("prefixcache:num_requests_waiting", ())] == 0
+
+
+def test_models_and_health(srv):
+    assert [m.id for m in client(srv).models.list()] == [srv.server.model_name]
+    assert httpx.get(f"{srv.url}/health").json()["status"] == "ok"
