@@ -97,10 +97,11 @@ class PrefixCache:
         if node is not None and (node.tokens != tokens or node.parent is not parent and parent is not None):
             return None, False
         if node is not None:
-            node.ttl = None if node.ttl is None or ttl is None else max(node.ttl, ttl)
+            expired = node.expires_at <= self.clock()  # rewriting an expired entry is a new write
+            node.ttl = ttl if expired else None if node.ttl is None or ttl is None else max(node.ttl, ttl)
             node.priority = max(node.priority, priority)
             self.touch([node])
-            return node, False
+            return node, expired
         if parent is None:
             parent = self.roots.setdefault(scope, Node(scope, None, scope, (), 0))
         assert parent.alive, "insert under an evicted node"

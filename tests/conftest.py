@@ -1,0 +1,82 @@
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import prefixcache  # noqa: F401  (sets MKL strict mode before torch does any math)
+from prefixcache.config import default_model_path
+from prefixcache.engine.sequence import SamplingParams
+from prefixcache.models.loader import converted_folder
+
+
+def _tiny_model(folder: str, model_type: str, bias: bool, seed: int) -> str:
+    """A random-weight Llama/Qwen2 with the default model's tokenizer: fast, but real code paths."""
+    real = converted_folder(default_model_path())
+    for f in os.listdir(real):
+        if f.startswith(("tokenizer", "special_tokens")) or f.endswith(".jinja"):
+            shutil.copy(os.path.join(real, f), folder)
+    vocab, hidden, inter, layers, heads, kv_heads = 49152, 64, 128, 2, 4, 2
+    config = {"model_type": model_type, "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048,
+              "tie_word_embeddings": True, "attention_bias": bias, "eos_token_id": 2, "bos_token_id": 1,
+              "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"]}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    g = torch.Generator().manual_seed(seed)
+    d = hidden // heads
+    t = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+         "model.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=g)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes = {"self_attn.q_proj": (heads * d, hidden), "self_attn.k_proj": (kv_heads * d, hidden),
+                  "self_attn.v_proj": (kv_heads * d, hidden), "self_attn.o_proj": (hidden, heads * d),
+                  "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+        for name, shape in shapes.items():
+            t[p + name + ".weight"] = torch.randn(*shape, generator=g) / shape[1] ** 0.5
+        if bias:
+            for n in "qkv":
+                t[p + f"self_attn.{n}_proj.bias"] = 0.1 * torch.randn(shapes[f"self_attn.{n}_proj"][0], generator=g)
+        t[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
+        t[p + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
+    save_file(t, os.path.join(folder, "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return _tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), "llama", False, 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory) -> str:
+    return _tiny_model(str(tmp_path_factory.mktemp("tiny_qwen")), "qwen2", True, 1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_v2(tmp_path_factory) -> str:
+    """Same architecture as tiny_model, different weights: a model update."""
+    return _tiny_model(str(tmp_path_factory.mktemp("tiny_llama_v2")), "llama", False, 2)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def generate_with_logits(llm, prompts, params=GREEDY, **kwargs):
+    """Generate, and keep every next-token logits vector the engine sampled from (per request, stacked)."""
+    seen: dict[int, list[torch.Tensor]] = {}
+    sample = llm.engine.sampler.sample
+
+    def recording(logits, seq_id, p):
+        seen.setdefault(seq_id, []).append(logits.clone())
+        return sample(logits, seq_id, p)
+
+    llm.engine.sampler.sample = recording
+    try:
+        outs = llm.generate(prompts, params, **kwargs)
+    finally:
+        llm.engine.sampler.sample = sample
+    return outs, [torch.stack(seen[o.request_id]) for o in outs]

@@ -1,0 +1,186 @@
+"""Prefix-cache behaviour through the engine: warm == cold, isolation, staleness, lifecycle, bounds."""
+import pytest
+import torch
+
+from conftest import GREEDY, generate_with_logits
+from prefixcache import LLM, Breakpoint, CacheScope, SamplingParams
+
+BASE = list(range(3000, 3400))
+# Prompts sharing long prefixes; once BASE[:300] is cached their hits end mid-block, on a block
+# boundary, and at the full prompt length (the last token is then recomputed for its logits).
+PROMPTS = [BASE[:n] + [11, 12, 13] for n in (37, 64, 150, 257)] + [BASE[:300], BASE[:128], BASE[:299]]
+
+
+def _compare(cold_llm, warm_llm, prompts, concurrent: bool):
+    if concurrent:
+        c_out, c_log = generate_with_logits(cold_llm, prompts)
+        w_out, w_log = generate_with_logits(warm_llm, prompts)
+    else:
+        pairs = [generate_with_logits(cold_llm, [p]) for p in prompts]
+        c_out, c_log = [p[0][0] for p in pairs], [p[1][0] for p in pairs]
+        pairs = [generate_with_logits(warm_llm, [p]) for p in prompts]
+        w_out, w_log = [p[0][0] for p in pairs], [p[1][0] for p in pairs]
+    for c, w, cl, wl in zip(c_out, w_out, c_log, w_log):
+        assert c.token_ids == w.token_ids
+        assert (cl - wl).abs().max().item() == 0.0
+    return w_out
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_warm_equals_cold_tiny(tiny_model, concurrent):
+    cold = LLM(model=tiny_model, enable_prefix_cache=False)
+    warm = LLM(model=tiny_model, max_batch_tokens=96)
+    warm.generate([BASE[:300]], GREEDY)
+    outs = _compare(cold, warm, PROMPTS, concurrent)
+    hits = [o.cached_tokens for o in outs]
+    assert hits[:4] == [37, 64, 150, 257] and hits[4] == 299 and hits[5] == 127 and hits[6] == 298
+    assert 128 % 16 == 0 and hits[5] == 127  # a full hit on a block boundary still recomputes the last token
+
+
+def test_warm_equals_cold_real_model_8_concurrent():
+    cold = LLM(enable_prefix_cache=False)
+    warm = LLM()
+    system = [{"role": "system", "content": "You are a terse assistant for a hardware store. " * 12}]
+    prompts = [warm.encode_chat(system + [{"role": "user", "content": q}]) for q in
+               ["Do you sell hammers?", "What time do you open?", "Where is the paint?", "Any drills?",
+                "Price of nails?", "Do you deliver?", "Is there parking?", "Can I return a saw?"]]
+    warm.generate([prompts[0]], GREEDY)
+    outs = _compare(cold, warm, prompts, concurrent=True)
+    assert all(o.cached_tokens >= len(warm.encode_chat(system + [{"role": "user", "content": ""}])) - 16
+               for o in outs)
+
+
+def test_generated_tokens_are_cached_for_the_next_turn(tiny_model):
+    llm = LLM(model=tiny_model)
+    first = llm.generate([BASE[:100]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+    second = llm.generate([BASE[:100] + first.token_ids + [7, 8]], GREEDY)[0]
+    assert second.cached_tokens >= 100 + 40 - 16
+
+
+def test_tenants_are_isolated_and_shared_prefix_is_shared(tiny_model):
+    shared = BASE[:70]
+    llm = LLM(model=tiny_model, shared_prefixes=[shared])
+    a, b = CacheScope(tenant="acme"), CacheScope(tenant="globex")
+    private = BASE[100:200]
+    llm.generate([private], GREEDY, scope=a)
+    assert llm.generate([private], GREEDY, scope=b)[0].cached_tokens == 0
+    assert llm.generate([private], GREEDY, scope=a)[0].cached_tokens == 99
+    assert llm.generate([private], GREEDY, scope=CacheScope(tenant="acme", labels=("finance",)))[0].cached_tokens == 0
+    assert llm.generate([private], GREEDY, scope=CacheScope(tenant="acme", salt="s1"))[0].cached_tokens == 0
+    llm.generate([shared + [1, 2, 3, 4, 5]], GREEDY, scope=a)
+    out = llm.generate([shared + [9, 9, 9]], GREEDY, scope=b)[0]
+    assert out.cached_tokens == len(shared) and out.scope_kind == "shared"  # exactly the declared prefix
+
+
+def test_weights_fingerprint_change_means_no_hits(tiny_model, tiny_model_v2):
+    v1, v2 = LLM(model=tiny_model), LLM(model=tiny_model_v2)
+    assert v1.engine.fingerprint != v2.engine.fingerprint
+    scope_v1 = v1.engine.scope(CacheScope(tenant="t"))
+    scope_v2 = v2.engine.scope(CacheScope(tenant="t"))
+    assert scope_v1.key != scope_v2.key
+    assert LLM(model=tiny_model).engine.fingerprint == v1.engine.fingerprint  # stable across loads
+
+
+def test_ttl_expiry_pin_and_purge(tiny_model):
+    llm = LLM(model=tiny_model)
+    now = [1000.0]
+    cache = llm.engine.manager.cache
+    cache.clock = lambda: now[0]
+    p = BASE[:96]
+    bp = [Breakpoint(80, "5m")]
+    out = llm.generate([p], GREEDY, breakpoints=bp)[0]
+    assert out.cache_write_tokens == {"5m": 80}
+    now[0] += 200
+    assert llm.generate([p], GREEDY, breakpoints=bp)[0].cached_tokens == 80  # a hit refreshes the TTL
+    now[0] += 200
+    assert llm.generate([p], GREEDY, breakpoints=bp)[0].cached_tokens == 80
+    now[0] += 301
+    again = llm.generate([p], GREEDY, breakpoints=bp)[0]
+    assert again.cached_tokens == 0 and again.cache_write_tokens == {"5m": 80}  # expired, so written again
+    now[0] += 301
+    assert cache.evict(10**6) == 5 and cache.evictions["ttl"] == 5  # the 80 tokens are 5 full blocks
+    # pin: survives clear(); purge removes a tenant's entries only
+    llm.generate([BASE[:64]], GREEDY, scope=CacheScope(tenant="a"))
+    llm.generate([BASE[:64]], GREEDY, scope=CacheScope(tenant="b"))
+    llm.engine.purge(CacheScope(tenant="a"))
+    assert llm.generate([BASE[:64]], GREEDY, scope=CacheScope(tenant="a"))[0].cached_tokens == 0
+    assert llm.generate([BASE[:64]], GREEDY, scope=CacheScope(tenant="b"))[0].cached_tokens == 63
+    cache.pin(list(cache.nodes.values()))
+    assert cache.evict(10**6) == 0  # eviction never takes pinned entries; an explicit clear does
+    assert cache.clear() == 10 and cache.num_blocks == 0
+
+
+def test_tiny_budget_evicts_and_stays_correct(tiny_model):
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 2  # layers * block * kv_heads * head_dim * bf16, for K and V
+    cold = LLM(model=tiny_model, enable_prefix_cache=False)
+    tight = LLM(model=tiny_model, kv_cache_bytes=60 * block_bytes, max_num_seqs=4)
+    prompts = [[i] + BASE[i * 7:i * 7 + 150] for i in range(10)]
+    c_out = cold.generate(prompts, GREEDY)
+    for _ in range(2):
+        t_out = tight.generate(prompts, GREEDY)
+        assert [o.token_ids for o in t_out] == [o.token_ids for o in c_out]
+        stats = tight.cache_stats()
+        assert stats["blocks_used"] <= stats["blocks_total"] == 59
+    assert sum(stats["evictions"].values()) > 0
+
+
+def test_cache_off_never_hits(tiny_model):
+    llm = LLM(model=tiny_model, enable_prefix_cache=False)
+    llm.generate([BASE[:100]], GREEDY)
+    assert llm.generate([BASE[:100]], GREEDY)[0].cached_tokens == 0
+
+
+def test_identical_inflight_prefixes_are_computed_once(tiny_model):
+    llm = LLM(model=tiny_model, max_batch_tokens=64)
+    prompts = [BASE[:300] + [i] for i in range(4)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert sorted(o.cached_tokens for o in outs)[1:] == [288, 288, 288]  # 18 full blocks, waited for and hit
+    assert llm.cache_stats()["hit_tokens"] == 3 * 288
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(prompts=[[]]), "empty"),
+    (dict(prompts=[list(range(2048))]), "context window"),
+    (dict(prompts=[[10**6]]), "vocabulary"),
+])
+def test_bad_requests_raise_clear_errors(tiny_model, bad, match):
+    llm = LLM(model=tiny_model)
+    with pytest.raises(ValueError, match=match):
+        llm.generate(bad["prompts"], GREEDY)
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids  # the engine still works
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_model_paths(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        LLM(model=str(tmp_path / "missing.gguf"))
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ValueError, match="GGUF"):
+        LLM(model=str(corrupt))
+
+
+def test_sampling_is_seeded(tiny_model):
+    llm = LLM(model=tiny_model)
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=16, seed=7, ignore_eos=True)
+    a = llm.generate([BASE[:20]], params)[0].token_ids
+    b = llm.generate([BASE[:20]], params)[0].token_ids
+    c = llm.generate([BASE[:20]], SamplingParams(temperature=0.9, max_tokens=16, seed=8, ignore_eos=True))[0]
+    assert a == b and a != c.token_ids
+
+
+def test_stop_strings_and_max_tokens(tiny_model):
+    llm = LLM(model=tiny_model)
+    free = llm.generate([BASE[:20]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 30
+    stop = free.text[5:9]
+    out = llm.generate([BASE[:20]], SamplingParams(temperature=0.0, max_tokens=30, stop=[stop],
+                                                   ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.text == free.text[:free.text.find(stop)]
