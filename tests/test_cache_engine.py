@@ -169,11 +169,11 @@ def test_bad_model_paths(tmp_path):
 
 def test_sampling_is_seeded(tiny_model):
     llm = LLM(model=tiny_model)
-    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=16, seed=7, ignore_eos=True)
-    a = llm.generate([BASE[:20]], params)[0].token_ids
-    b = llm.generate([BASE[:20]], params)[0].token_ids
-    c = llm.generate([BASE[:20]], SamplingParams(temperature=0.9, max_tokens=16, seed=8, ignore_eos=True))[0]
-    assert a == b and a != c.token_ids
+    params = dict(temperature=5.0, top_p=0.95, top_k=1000, max_tokens=16, ignore_eos=True)
+    a = llm.generate([BASE[:20]], SamplingParams(seed=7, **params))[0].token_ids
+    b = llm.generate([BASE[:20]], SamplingParams(seed=7, **params))[0].token_ids
+    c = llm.generate([BASE[:20]], SamplingParams(seed=8, **params))[0].token_ids
+    assert a == b and a != c
 
 
 def test_stop_strings_and_max_tokens(tiny_model):
