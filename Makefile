@@ -22,7 +22,7 @@ test: setup
 	$(PY) -m pytest -q -x
 
 bench: setup
-	$(PY) -m bench.engine
+	$(PY) -m prefixcache.bench.engine
 
 clean:
 	rm -rf .venv bench/results
