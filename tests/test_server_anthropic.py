@@ -15,7 +15,7 @@ def client(srv, key="sk-acme") -> anthropic.Anthropic:
 
 def create(srv, **kw):
     """A greedy message; returns (message, prompt length from the x-prefix-cache header)."""
-    kw = {"model": "default", "max_tokens": 8, "temperature": 0,
+    kw = {"model": "default", "max_tokens": 8, "extra_body": {"temperature": 0},  # this client has no temperature
           "messages": [{"role": "user", "content": "What should I do?"}], **kw}
     raw = client(srv).messages.with_raw_response.create(**kw)
     msg = raw.parse()
@@ -36,35 +36,50 @@ def test_breakpoint_writes_then_reads(srv):
     first, prompt = create(srv, system=system)
     second, _ = create(srv, system=system, messages=[{"role": "user", "content": "Something else entirely."}])
     u1, u2 = first.usage, second.usage
-    assert u1.cache_read_input_tokens == 0 and u1.cache_creation_input_tokens > MIN_CACHE_TOKENS
+    assert u1.cache_creation_input_tokens > MIN_CACHE_TOKENS
     assert u1.cache_creation.ephemeral_5m_input_tokens == u1.cache_creation_input_tokens
     # the breakpoint ends the system block: the messages after it are neither written nor read
     assert u1.input_tokens > 0 and u1.cache_creation_input_tokens < prompt
-    assert u2.cache_read_input_tokens == u1.cache_creation_input_tokens and u2.cache_creation_input_tokens == 0
+    assert u2.cache_read_input_tokens == u1.cache_read_input_tokens + u1.cache_creation_input_tokens
+    assert u2.cache_creation_input_tokens == 0
     assert second.stop_reason in ("end_turn", "max_tokens") and second.content[0].type == "text"
 
 
+TOOLS = [{"name": "lookup", "description": long_system("anthropic-tools", 12),
+          "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}},
+          "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+
+
 def test_tools_1h_before_system_5m(srv):
-    tools = [{"name": "lookup", "description": long_system("anthropic-tools", 12),
-              "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}},
-              "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
     system = [cached(long_system("anthropic-tools-system", 6))]
-    first, _ = create(srv, tools=tools, system=system)
+    first, _ = create(srv, tools=TOOLS, system=system)
     c = first.usage.cache_creation
     assert c.ephemeral_1h_input_tokens > MIN_CACHE_TOKENS and c.ephemeral_5m_input_tokens > 0
-    second, _ = create(srv, tools=tools, system=system)
-    assert second.usage.cache_read_input_tokens == first.usage.cache_creation_input_tokens
+    second, _ = create(srv, tools=TOOLS, system=system)
+    assert second.usage.cache_read_input_tokens > c.ephemeral_1h_input_tokens
+    assert second.usage.cache_creation_input_tokens == 0
+
+
+@pytest.mark.xfail(strict=True, reason="engine: CacheManager._count_write counts the tokens of a partial block "
+                                       "(at a breakpoint) again when the full block over it is published")
+def test_two_breakpoints_count_each_written_token_once(srv):
+    system = [cached(long_system("anthropic-count", 6))]
+    first, _ = create(srv, tools=TOOLS, system=system, cache_salt="count")
+    second, _ = create(srv, tools=TOOLS, system=system, cache_salt="count")
+    assert second.usage.cache_read_input_tokens == first.usage.cache_read_input_tokens + \
+        first.usage.cache_creation_input_tokens
 
 
 def test_top_level_cache_control_caches_up_to_the_last_block(srv):
     system = long_system("anthropic-auto")
-    kw = {"system": system, "extra_body": {"cache_control": {"type": "ephemeral"}}}
+    kw = {"system": system, "cache_control": {"type": "ephemeral"}}
     first, prompt = create(srv, **kw)
     assert first.usage.cache_creation_input_tokens > MIN_CACHE_TOKENS
     # everything up to the end of the last user block is written; only the assistant header is left over
     assert first.usage.input_tokens < 8
     second, _ = create(srv, **kw)
-    assert second.usage.cache_read_input_tokens == first.usage.cache_creation_input_tokens
+    assert second.usage.cache_read_input_tokens == first.usage.cache_read_input_tokens + \
+        first.usage.cache_creation_input_tokens
 
 
 def test_below_the_minimum_nothing_is_cached(srv):
@@ -75,7 +90,7 @@ def test_below_the_minimum_nothing_is_cached(srv):
 def test_stream_events_and_usage(srv):
     system = [cached(long_system("anthropic-stream"))]
     create(srv, system=system)
-    with client(srv).messages.stream(model="default", max_tokens=8, temperature=0, system=system,
+    with client(srv).messages.stream(model="default", max_tokens=8, extra_body={"temperature": 0}, system=system,
                                      messages=[{"role": "user", "content": "What should I do?"}]) as stream:
         events = list(stream)
         final = stream.get_final_message()

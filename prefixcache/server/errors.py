@@ -37,6 +37,6 @@ async def parse(request, model: type[BaseModel]):
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"])
+        err = max(e.errors(), key=lambda x: len(x["loc"]))  # in a union, the branch that got furthest
+        param = ".".join(str(p) for p in err["loc"] if "[" not in str(p))  # drop union tags like list[Block]
         raise ApiError(400, f"{param}: {err['msg']}", param=param)
