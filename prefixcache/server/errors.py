@@ -1,5 +1,6 @@
 """ApiError and its two renderings: OpenAI's and Anthropic's error bodies."""
 import json
+import re
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
@@ -8,6 +9,8 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                    500: "api_error", 529: "overloaded_error"}
 OPENAI_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[|^[A-Z]")  # pydantic's loc entries for union members
 
 
 class ApiError(Exception):
@@ -38,5 +41,5 @@ async def parse(request, model: type[BaseModel]):
         return model.model_validate(body)
     except ValidationError as e:
         err = max(e.errors(), key=lambda x: len(x["loc"]))  # in a union, the branch that got furthest
-        param = ".".join(str(p) for p in err["loc"] if "[" not in str(p))  # drop union tags like list[Block]
+        param = ".".join(str(p) for p in err["loc"] if not UNION_TAG.search(str(p)))
         raise ApiError(400, f"{param}: {err['msg']}", param=param)

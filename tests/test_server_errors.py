@@ -1,0 +1,162 @@
+"""Bad input, auth, capacity and disconnects against a real server: each API's error format, and the server
+keeps serving."""
+import threading
+import time
+
+import httpx
+import pytest
+from server_fixtures import long_system, main_server, metrics, nocache_server
+
+ACME = {"Authorization": "Bearer sk-acme"}
+CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+MESSAGES = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+TOO_LONG = "word " * 9000
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    return main_server(tmp_path_factory)
+
+
+def openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def anthropic_error(r: httpx.Response, status: int, kind: str) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"]
+    return body["error"]
+
+
+def post(srv, path: str, body, headers=ACME) -> httpx.Response:
+    kw = {"content": body} if isinstance(body, (str, bytes)) else {"json": body}
+    return httpx.post(f"{srv.url}{path}", headers={**headers, "content-type": "application/json"}, timeout=60, **kw)
+
+
+OPENAI_BAD = [
+    ("/v1/chat/completions", "{not json", 400, None),
+    ("/v1/chat/completions", "[1, 2]", 400, None),
+    ("/v1/chat/completions", {"model": "default", "max_tokens": 4}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": "Hi"}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"content": "Hi"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": CHAT["messages"]}, 400, "model"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 10**9}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {**CHAT, "prompt_cache_retention": "forever"}, 400, "prompt_cache_retention"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": TOO_LONG}]}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 404, "model"),
+    ("/v1/completions", {"model": "default", "prompt": [], "max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"model": "default", "prompt": [-1, 5], "max_tokens": 4}, 400, None),
+    ("/v1/completions", {"model": "default", "prompt": ["a", "b"], "max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"model": "default", "prompt": {"text": "a"}, "max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"model": "default", "max_tokens": 4}, 400, "prompt"),
+]
+
+ANTHROPIC_BAD = [
+    ("{not json", 400, "invalid_request_error"),
+    ({"model": "default", "messages": MESSAGES["messages"]}, 400, "invalid_request_error"),  # no max_tokens
+    ({**MESSAGES, "max_tokens": 0}, 400, "invalid_request_error"),
+    ({**MESSAGES, "max_tokens": 10**9}, 400, "invalid_request_error"),
+    ({**MESSAGES, "messages": []}, 400, "invalid_request_error"),
+    ({**MESSAGES, "messages": [{"role": "system", "content": "Hi"}]}, 400, "invalid_request_error"),
+    ({**MESSAGES, "messages": [{"role": "user", "content": []}]}, 400, "invalid_request_error"),
+    ({**MESSAGES, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
+     "invalid_request_error"),
+    ({**MESSAGES, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "invalid_request_error"),
+    ({**MESSAGES, "system": 42}, 400, "invalid_request_error"),
+    ({**MESSAGES, "temperature": 1.5}, 400, "invalid_request_error"),
+    ({**MESSAGES, "cache_control": {"type": "persistent"}}, 400, "invalid_request_error"),
+    ({**MESSAGES, "messages": [{"role": "user", "content": TOO_LONG}]}, 400, "invalid_request_error"),
+    ({**MESSAGES, "model": "claude-9"}, 404, "not_found_error"),
+]
+
+
+def test_bad_inputs_get_4xx_in_each_format_and_do_not_disturb_a_running_request(srv):
+    result = {}
+
+    def good():
+        result["r"] = post(srv, "/v1/chat/completions", {**CHAT, "max_tokens": 16, "temperature": 0})
+
+    t = threading.Thread(target=good)
+    t.start()
+    for path, body, status, param in OPENAI_BAD:
+        err = openai_error(post(srv, path, body), status)
+        assert err["param"] == param, (body, err)
+    for body, status, kind in ANTHROPIC_BAD:
+        anthropic_error(post(srv, "/v1/messages", body), status, kind)
+    t.join()
+    assert result["r"].status_code == 200 and result["r"].json()["choices"][0]["message"]["content"]
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def test_unknown_fields_are_ignored(srv):
+    r = post(srv, "/v1/chat/completions", {**CHAT, "frobnicate": True, "logit_bias": {"1": 2}, "user": "u"})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    r = post(srv, "/v1/messages", {**MESSAGES, "metadata": {"user_id": "u"}, "frobnicate": 1})
+    assert r.status_code == 200 and r.json()["type"] == "message"
+
+
+def test_auth(srv):
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"x-api-key": "sk-wrong"}):
+        err = openai_error(post(srv, "/v1/chat/completions", CHAT, headers), 401)
+        assert err["type"] == "authentication_error"
+        anthropic_error(post(srv, "/v1/messages", MESSAGES, headers), 401, "authentication_error")
+    assert httpx.get(f"{srv.url}/v1/models").status_code == 401
+    assert httpx.delete(f"{srv.url}/v1/cache", headers={"x-api-key": "sk-wrong"}).status_code == 401
+    assert post(srv, "/v1/chat/completions", CHAT, {"x-api-key": "sk-globex"}).status_code == 200
+    assert post(srv, "/v1/messages", MESSAGES, {"Authorization": "Bearer sk-globex"}).status_code == 200
+
+
+def wait_for(url: str, name: str, value: float, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if m[(name, ())] == value:
+            return m
+        assert time.monotonic() < deadline, f"{name} stayed at {m[(name, ())]}, expected {value}"
+        time.sleep(0.1)
+
+
+def test_over_capacity_gets_429_or_529_and_the_queue_drains():
+    srv = nocache_server()  # one running request and one waiting, at most
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": long_system("capacity", 4)}], "max_tokens": 200}
+    waiting = {}
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json={**long_chat, "stream": True}) as running:
+            assert running.status_code == 200
+            t = threading.Thread(target=lambda: waiting.update(r=c.post("/v1/chat/completions", json=CHAT)))
+            t.start()
+            wait_for(srv.url, "prefixcache:num_requests_waiting", 1)
+            err = openai_error(c.post("/v1/chat/completions", json=CHAT), 429)
+            assert err["type"] == "rate_limit_error"
+            anthropic_error(c.post("/v1/messages", json=MESSAGES), 529, "overloaded_error")
+        t.join()  # closing the stream aborted the first request, so the waiting one ran
+    assert waiting["r"].status_code == 200
+    assert httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
+
+
+def test_stream_disconnect_aborts_and_frees_blocks():
+    srv = nocache_server()
+    before = metrics(srv.url)
+    body = {**CHAT, "messages": [{"role": "user", "content": long_system("disconnect", 4)}], "max_tokens": 400,
+            "stream": True}
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert metrics(srv.url)[("prefixcache:kv_cache_usage_perc", ())] > 0
+    after = wait_for(srv.url, "prefixcache:kv_cache_usage_perc", 0)
+    key = ("prefixcache:request_success_total", (("finish_reason", "abort"),))
+    assert after[key] - before.get(key, 0) == 1
+    assert after[("prefixcache:num_requests_running", ())] == 0
