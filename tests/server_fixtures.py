@@ -69,8 +69,8 @@ def nocache_server() -> Running:
                                          max_num_seqs=1))
 
 
-def long_system(tag: str, n: int = 25) -> str:
-    """A system prompt of ~12 tokens per rule that starts with `tag`, so no earlier test shares its first block."""
+def long_system(tag: str, n: int = 10) -> str:
+    """A system prompt of ~21 tokens per rule that starts with `tag`, so no earlier test shares its first block."""
     return f"[{tag}] " + " ".join(f"Rule {i}: when asked about {tag}, answer in plain words and stay on topic."
                                   for i in range(n))
 

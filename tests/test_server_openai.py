@@ -26,8 +26,9 @@ def chat(srv, system: str, user: str = "What should I do?", key="sk-acme", **kw)
 
 def test_chat_reports_cached_tokens_on_the_second_request(srv):
     system = long_system("chat-cache")
-    first, h1 = chat(srv, system)
-    second, h2 = chat(srv, system)
+    salt = {"cache_salt": "chat-cache"}  # a scope no other test touches: the first request must miss entirely
+    first, h1 = chat(srv, system, extra_body=salt)
+    second, h2 = chat(srv, system, extra_body=salt)
     assert first.usage.prompt_tokens > MIN_PROMPT
     assert first.usage.prompt_tokens_details.cached_tokens == 0 and h1["scope"] == "none"
     cached = second.usage.prompt_tokens_details.cached_tokens
@@ -78,13 +79,15 @@ def test_streaming_chat_with_usage(srv):
 def test_completions_streaming_and_not(srv):
     prompt = long_system("completions")
     c = client(srv)
-    first = c.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0)
+    first = c.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0,
+                                 extra_body={"cache_salt": "completions"})
     second = c.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0,
-                                  extra_body={"some_unknown_field": {"x": 1}})
+                                  extra_body={"cache_salt": "completions", "some_unknown_field": {"x": 1}})
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert second.choices[0].text == first.choices[0].text and first.choices[0].text
-    chunks = list(c.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0, stream=True))
+    chunks = list(c.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                       extra_body={"cache_salt": "completions"}))
     assert "".join(ch.choices[0].text for ch in chunks) == first.choices[0].text
     ids = c.completions.create(model=srv.server.model_name, prompt=[1, 4093, 198], max_tokens=2, temperature=0)
     assert ids.usage.prompt_tokens == 3 and ids.usage.prompt_tokens_details.cached_tokens < 3
@@ -101,9 +104,10 @@ def test_stop_strings_cut_the_output(srv):
 
 def test_tenants_never_hit_each_other(srv):
     system = long_system("tenants")
-    chat(srv, system, key="sk-acme")
-    _, globex = chat(srv, system, key="sk-globex")
-    _, acme = chat(srv, system, key="sk-acme")
+    salt = {"cache_salt": "tenants"}  # the same salt for both: only the tenant differs
+    chat(srv, system, key="sk-acme", extra_body=salt)
+    _, globex = chat(srv, system, key="sk-globex", extra_body=salt)
+    _, acme = chat(srv, system, key="sk-acme", extra_body=salt)
     assert globex["cached"] == "0"
     assert int(acme["cached"]) > 0 and acme["scope"] == "own"
 
@@ -111,11 +115,12 @@ def test_tenants_never_hit_each_other(srv):
 def test_salt_and_prompt_cache_key_narrow_the_scope(srv):
     system = long_system("salt")
     chat(srv, system)
+    _, plain = chat(srv, system)
     _, salted = chat(srv, system, extra_body={"cache_salt": "s1"})
     _, salted_again = chat(srv, system, extra_body={"cache_salt": "s1"})
     _, keyed = chat(srv, system, extra_body={"cache_salt": "s1", "prompt_cache_key": "k",
                                              "prompt_cache_retention": "24h", "user": "u1"})
-    assert salted["cached"] == "0" and int(salted_again["cached"]) > 0 and keyed["cached"] == "0"
+    assert int(plain["cached"]) > 0 and salted["cached"] == "0" and int(salted_again["cached"]) > 0 and keyed["cached"] == "0"
 
 
 def test_shared_prefix_hits_across_tenants_on_exactly_that_prefix(srv):
