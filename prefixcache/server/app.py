@@ -5,6 +5,7 @@ else is a 404 in that API's format.
 """
 import asyncio
 import json
+import logging
 import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from prefixcache.server.prompt import encode_system
 from prefixcache.server.worker import EngineWorker
 
 MODEL_ALIAS = "default"
+
+log = logging.getLogger("prefixcache.request")
 
 
 @dataclass
@@ -111,6 +114,7 @@ def create_app(cfg: ServeConfig, engine: Engine | None = None) -> FastAPI:
     async def api_error(request: Request, e: ApiError):
         api = "anthropic" if request.url.path.startswith("/v1/messages") else "openai"
         server.metrics.status(api, e.status)
+        log.info(json.dumps({"api": api, "path": request.url.path, "status": e.status, "error": e.message}))
         return e.anthropic() if api == "anthropic" else e.openai()
 
     @app.get("/health")

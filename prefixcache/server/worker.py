@@ -67,6 +67,10 @@ class EngineWorker:
             except ValueError as e:
                 self._deliver(handle, Update("", time.monotonic(), error=str(e)))
                 return
+            except Exception:
+                log.exception("add_request failed")
+                self._deliver(handle, Update("", time.monotonic(), error="internal engine error", internal=True))
+                return
             self.scopes.add(handle.seq.scope)
             self.live[handle.seq.id] = handle
 
