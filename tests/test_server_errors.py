@@ -160,3 +160,20 @@ def test_stream_disconnect_aborts_and_frees_blocks():
     key = ("prefixcache:request_success_total", (("finish_reason", "abort"),))
     assert after[key] - before.get(key, 0) == 1
     assert after[("prefixcache:num_requests_running", ())] == 0
+
+
+def test_a_client_that_hangs_up_while_queued_is_dropped():
+    srv = nocache_server()
+    body = {**CHAT, "messages": [{"role": "user", "content": long_system("queued", 4)}], "max_tokens": 400,
+            "stream": True}
+    before = metrics(srv.url)
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as running:
+            assert running.status_code == 200
+            with pytest.raises(httpx.ReadTimeout):  # queued behind `running`: no headers yet, so we give up
+                httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=1.5)
+            wait_for(srv.url, "prefixcache:num_requests_waiting", 0, timeout=5)  # `running` needs > 20 s more
+            assert metrics(srv.url)[("prefixcache:num_requests_running", ())] == 1
+    after = wait_for(srv.url, "prefixcache:num_requests_running", 0)
+    key = ("prefixcache:request_success_total", (("finish_reason", "abort"),))
+    assert after[key] - before.get(key, 0) == 2

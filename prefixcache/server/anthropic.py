@@ -145,7 +145,7 @@ async def messages(request: Request):
     stops = [s for s in req.stop_sequences or [] if s]
     params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p or 1.0,
                             top_k=req.top_k or 0, max_tokens=req.max_tokens, stop=stops)
-    gen = await server.generate("anthropic", principal, prompt, params, req.cache_salt or "", breakpoints)
+    gen = await server.generate(request, "anthropic", principal, prompt, params, req.cache_salt or "", breakpoints)
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": server.model_name}
 
     if not req.stream:

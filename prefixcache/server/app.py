@@ -78,8 +78,8 @@ class Server:
             raise ApiError(404, f"model {model!r} not found; this server serves {self.model_name!r} "
                                 f"(alias {MODEL_ALIAS!r})", param="model", code="model_not_found")
 
-    async def generate(self, api: str, principal: Principal, prompt: list[int], params: SamplingParams,
-                       salt: str = "", breakpoints: list[Breakpoint] = ()) -> Generation:
+    async def generate(self, request: Request, api: str, principal: Principal, prompt: list[int],
+                       params: SamplingParams, salt: str = "", breakpoints: list[Breakpoint] = ()) -> Generation:
         """Submit a validated request and wait for its first token."""
         if len(prompt) >= self.engine.max_model_len:
             raise ApiError(400, f"prompt has {len(prompt)} tokens; the context window is {self.engine.max_model_len}",
@@ -89,7 +89,7 @@ class Server:
         scope = CacheScope(tenant=principal.tenant, labels=principal.labels, salt=salt)
         gen = Generation(self, self.worker.submit(prompt, params, scope, list(breakpoints)), api, principal.tenant,
                          params.stop)
-        await gen.start()
+        await gen.start(request)
         return gen
 
 

@@ -1,4 +1,5 @@
 """Generation: one submitted request seen from its HTTP handler: admission, text deltas, accounting, log line."""
+import asyncio
 import json
 import logging
 import time
@@ -8,6 +9,9 @@ from prefixcache.server.errors import ApiError
 from prefixcache.server.worker import Handle, Update
 
 log = logging.getLogger("prefixcache.request")
+
+DISCONNECT_POLL_SECONDS = 0.25
+CLIENT_CLOSED = 499  # nginx's status for a request the client gave up on
 
 
 class Generation:
@@ -20,9 +24,16 @@ class Generation:
         self.sent = ""
         self.start_time = time.monotonic()
 
-    async def start(self) -> None:
-        """Wait until the first token (so the cached prefix is known); an engine refusal becomes an ApiError."""
-        self.pending = await self._next()
+    async def start(self, request) -> None:
+        """Wait until the first token (so the cached prefix is known). An engine refusal becomes an ApiError;
+        a client that hangs up meanwhile (e.g. while queued) gets its request aborted."""
+        first = asyncio.ensure_future(self._next())
+        while not (await asyncio.wait({first}, timeout=DISCONNECT_POLL_SECONDS))[0]:
+            if await request.is_disconnected():
+                first.cancel()
+                self.close(CLIENT_CLOSED)
+                raise ApiError(CLIENT_CLOSED, "client closed the request")
+        self.pending = first.result()
 
     @property
     def prompt_tokens(self) -> int:
@@ -68,16 +79,17 @@ class Generation:
             return
         self.server.worker.finished(self.handle)
         out, m = self.output, self.server.metrics
+        aborted = out is None and status in (200, CLIENT_CLOSED)
         if out is not None:
             m.finish(out, self.token_times)
-        elif status == 200:
+        elif aborted:
             m.success.labels(m.model_name, "abort").inc()
         if status == 200:  # errors are counted where they are rendered
             m.status(self.api, status)
         seq = self.handle.seq
         log.info(json.dumps({
             "api": self.api, "tenant": self.tenant, "status": status,
-            "finish_reason": out.finish_reason if out else ("abort" if status == 200 else None),
+            "finish_reason": out.finish_reason if out else ("abort" if aborted else None),
             "prompt_tokens": seq.num_prompt if seq else None, "cached_tokens": self.cached_tokens if seq else None,
             "completion_tokens": len(out.token_ids) if out else None,
             "cache_write_tokens": out.cache_write_tokens if out else None,

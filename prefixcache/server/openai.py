@@ -118,7 +118,8 @@ async def complete(request: Request, model: type[Common], chat: bool):
     req = await parse(request, model)
     server.check_model(req.model)
     prompt = chat_prompt(server.tokenizer, req) if chat else completion_prompt(server.tokenizer, req)
-    gen = await server.generate("openai", principal, prompt, req.sampling(server.engine.max_model_len), req.salt)
+    params = req.sampling(server.engine.max_model_len)
+    gen = await server.generate(request, "openai", principal, prompt, params, req.salt)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     base = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": server.model_name}
