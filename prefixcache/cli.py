@@ -115,6 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="")
     p.set_defaults(func=cmd_diff)
 
+    from prefixcache.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -1,0 +1,149 @@
+"""`prefixcache bench` (workloads cache on vs off, sweeps, plots) and `prefixcache bench compare` (several targets).
+
+Results go to bench/results/<name>/: report.json, report.md and PNGs (or compare.json, compare.md, compare.png).
+"""
+import json
+import os
+import time
+from dataclasses import asdict
+
+from prefixcache.bench.report import Prices, prices_note, table
+from prefixcache.bench.workloads import GENERATORS, Size, build
+
+QUICK_WORKLOADS = ["shared-system-prompt", "multi-tenant"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="workload benchmark over HTTP: cache on vs off, sweeps, plots; or compare targets")
+    p.add_argument("action", nargs="?", choices=["run", "compare"], default="run")
+    p.add_argument("--quick", action="store_true", help="a smoke run: small prompts, few requests, < 2 minutes")
+    p.add_argument("--name", default=None, help="results folder under --out (default: quick, default or compare)")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--workload", action="append", default=[], metavar="W",
+                   help=f"one of {', '.join(GENERATORS)}, or a JSONL file of OpenAI/Anthropic requests "
+                        "(optional `tenant`, `arrival`); repeatable; default: all built-in ones")
+    p.add_argument("--url", default=None, help="drive this running server instead of starting ours (no on/off)")
+    p.add_argument("--target", action="append", default=[], metavar="NAME=URL",
+                   help="compare: a target; URL `local`, `local-nocache` or `hf` starts that server here")
+    p.add_argument("--users", type=int, default=8, help="closed loop: concurrent users")
+    p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=int, default=None)
+    p.add_argument("--prefix-tokens", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--min-cache-tokens", type=int, default=256, help="for the servers started here")
+    p.add_argument("--cache-memory-gb", type=float, default=2.0, help="for the servers started here")
+    p.add_argument("--no-sweeps", action="store_true")
+    p.add_argument("--price-input", type=float, default=Prices.input, help="$ per million input tokens")
+    p.add_argument("--price-cached", type=float, default=Prices.cached, help="$ per million cached input tokens")
+    p.add_argument("--price-output", type=float, default=Prices.output, help="$ per million output tokens")
+    p.set_defaults(func=main)
+
+
+def _size(args) -> Size:
+    size = Size.quick() if args.quick else Size()
+    for field in ("requests", "prefix_tokens", "max_tokens"):
+        if getattr(args, field) is not None:
+            setattr(size, field, getattr(args, field))
+    return size
+
+
+def _write(folder: str, stem: str, data: dict, md: str) -> None:
+    with open(os.path.join(folder, f"{stem}.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    with open(os.path.join(folder, f"{stem}.md"), "w") as f:
+        f.write(md)
+
+
+def main(args) -> None:
+    # imported here so that `prefixcache --help` and the other commands do not load matplotlib
+    from prefixcache.bench import plots
+    from prefixcache.bench.driver import Load, Target
+    from prefixcache.bench.runs import Bench, compare, measure, on_off
+    from prefixcache.bench.server import ServerOptions
+
+    size = _size(args)
+    name = args.name or ("compare" if args.action == "compare" else "quick" if args.quick else "default")
+    folder = os.path.join(args.out, name)
+    os.makedirs(folder, exist_ok=True)
+    prices = Prices(args.price_input, args.price_cached, args.price_output)
+    bench = Bench(Load(users=args.users, rate=args.rate, seed=args.seed), prices,
+                  ServerOptions(cache_memory_gb=args.cache_memory_gb, min_cache_tokens=args.min_cache_tokens),
+                  os.path.join(folder, "server.log"))
+    names = args.workload or (QUICK_WORKLOADS if args.quick else list(GENERATORS))
+    load = f"{args.rate} req/s Poisson (open loop)" if args.rate else f"{args.users} concurrent users (closed loop)"
+    setup = (f"Load: {load}, seed {args.seed}, temperature 0. Servers started here: SmolLM2-135M-Instruct, "
+             f"--min-cache-tokens {args.min_cache_tokens}, --cache-memory-gb {args.cache_memory_gb}. {prices_note(prices)}")
+    config = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "size": asdict(size),
+              "prices": asdict(prices), "cpu_count": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if args.action == "compare":
+        if not args.target or len(names) != 1:
+            raise ValueError("bench compare: give one --workload and at least one --target NAME=URL")
+        workload = build(names[0], args.seed, size)
+        targets = [tuple(t.split("=", 1)) for t in args.target]
+        columns = compare(workload, targets, bench)
+        md = (f"# Compare: {workload.name}\n\n{workload.notes}. {workload.num_requests} requests. {setup}\n\n"
+              f"{table(columns, ratio_to=targets[0][0])}\n\n![TTFT](compare.png)\n")
+        plots.compare(columns, os.path.join(folder, "compare.png"))
+        _write(folder, "compare", {"config": config, "workload": workload.name, "targets": dict(targets),
+                                   "results": columns}, md)
+        print(md)
+        return
+
+    runs, sections = {}, [f"# Workload benchmark: {name}\n", setup, "Ratios are cache off / cache on (for times, "
+                          "above 1 means the cache helps; for throughput, below 1 means it does).\n"]
+    for wname in names:
+        workload = build(wname, args.seed, size)
+        if args.url:
+            runs[workload.name] = {"target": measure(workload, Target("target", args.url.rstrip("/")), bench, "target")[0]}
+            ratio = None
+        else:
+            runs[workload.name] = on_off(workload, bench)
+            ratio = "cache on"
+        sections.append(f"## {workload.name}\n\n{workload.notes}. {workload.num_requests} requests.\n\n"
+                        f"{table(runs[workload.name], ratio_to=ratio)}\n")
+    result = {"config": config, "runs": runs}
+    if not args.url:
+        plots.on_off(runs, os.path.join(folder, "on_off.png"))
+        sections.append("![TTFT on vs off](on_off.png)\n")
+    if not args.no_sweeps and not args.url:
+        result["sweeps"] = run_sweeps(args, size, bench, folder, sections)
+    _write(folder, "report", result, "\n".join(sections))
+    print("\n".join(sections))
+    print(f"wrote {folder}/")
+
+
+def run_sweeps(args, size: Size, bench, folder: str, sections: list[str]) -> dict:
+    from prefixcache.bench import plots, sweeps
+
+    if args.quick:
+        lengths, hits, rates, fractions = [256, 1024], 1, [1.0, 4.0], [0.5, 2.0]
+        rate_size = Size.quick()
+    else:
+        lengths, hits, rates, fractions = [256, 512, 1024, 2048, 4096, 7680], 3, [0.25, 0.5, 1.0, 2.0], [0.25, 0.5, 1.0, 2.0]
+        rate_size = Size(requests=16)
+    out = {"prefix_length": sweeps.prefix_length(lengths, hits, bench), "engine_floor_s": sweeps.engine_floor()}
+    plots.prefix_length(out["prefix_length"], out["engine_floor_s"], os.path.join(folder, "prefix_length.png"))
+    rows = [f"| {p['prompt_tokens']} | {p['cached_tokens']:.0f} | {p['miss_ttft_s']:.3f} | {p['hit_ttft_s']:.3f} | "
+            f"{p['miss_ttft_s'] / p['hit_ttft_s']:.1f}x |" for p in out["prefix_length"]]
+    sections.append("## TTFT vs shared-prefix length\n\nOne cold request, then the median of "
+                    f"{hits} hits with a new 64-token question each (1 user, max_tokens 1). The dashed floor is the "
+                    f"64-token question sent alone ({out['prefix_length'][0]['alone_64_ttft_s']:.3f} s): it pays "
+                    "HTTP, scheduling and a 64-token prefill but no attention over a prefix. "
+                    + (f"The x marks the engine benchmark's runner-only floor on 4096 cached tokens "
+                       f"({out['engine_floor_s']:.3f} s). " if out["engine_floor_s"] else "")
+                    + "\n\n| prompt tokens | cached on hit | miss TTFT (s) | hit TTFT (s) | miss / hit |\n|---|---|---|---|---|\n"
+                    + "\n".join(rows) + "\n\n![prefix length](prefix_length.png)\n")
+    out["arrival_rate"] = sweeps.arrival_rate(rates, rate_size, args.seed + 100, bench)
+    plots.arrival_rate(out["arrival_rate"], os.path.join(folder, "arrival_rate.png"))
+    sections.append(f"## Hit rate and TTFT vs arrival rate\n\nshared-system-prompt, {rate_size.requests} requests "
+                    "per rate, a new system prompt per rate.\n\n![arrival rate](arrival_rate.png)\n")
+    out["memory_budget"] = sweeps.memory_budget(fractions, size, args.seed, bench)
+    plots.memory_budget(out["memory_budget"], os.path.join(folder, "memory_budget.png"))
+    rows = [f"| {p['budget_mb']:.0f} | {p['fraction_of_prefixes']} | {p['hit_rate_tokens'] or 0:.3f} | "
+            f"{p['ttft_p50_s'] or 0:.3f} | {p['evictions'] or 0:.0f} | {p['errors']} |" for p in out["memory_budget"]]
+    sections.append("## Hit rate vs cache memory budget\n\nmulti-tenant workload; budget = live KV of "
+                    f"{bench.load.users} users + a fraction of all tenants' prefixes.\n\n"
+                    "| budget (MB) | fraction of prefixes | hit rate | TTFT p50 (s) | evictions | errors |\n"
+                    "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n![memory](memory_budget.png)\n")
+    return out

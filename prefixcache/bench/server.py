@@ -1,0 +1,163 @@
+"""Servers under test: start one as a subprocess on a free loopback port, read its RSS, poll its /metrics.
+
+`LocalServer` runs `prefixcache serve` (or the HF transformers peer) so the benchmark owns the process: its
+memory is read from /proc/<pid>/status (VmHWM: peak resident set, VmRSS: current).
+"""
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerOptions:
+    prefix_cache: bool = True
+    cache_memory_gb: float = 2.0
+    min_cache_tokens: int = 256
+    max_num_seqs: int = 16
+    tenants: list[str] = field(default_factory=list)  # each gets an API key
+    kind: str = "prefixcache"  # or "hf": the HF transformers generate() peer
+
+
+class LocalServer:
+    def __init__(self, opts: ServerOptions, log_path: str | None = None):
+        self.opts = opts
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.keys = {t: f"sk-bench-{t}" for t in opts.tenants}
+        self.log_path = log_path or os.devnull
+        self.proc: subprocess.Popen | None = None
+        self._keyfile: str | None = None
+
+    def command(self) -> list[str]:
+        o = self.opts
+        if o.kind == "hf":
+            return [sys.executable, "-m", "prefixcache.bench.hf_server", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "prefixcache.cli", "serve", "--port", str(self.port),
+               "--cache-memory-gb", str(o.cache_memory_gb), "--min-cache-tokens", str(o.min_cache_tokens),
+               "--max-num-seqs", str(o.max_num_seqs)]
+        if not o.prefix_cache:
+            cmd.append("--no-prefix-cache")
+        if self.keys:
+            fd, self._keyfile = tempfile.mkstemp(suffix=".json", prefix="bench-keys-")
+            with os.fdopen(fd, "w") as f:
+                json.dump({k: {"tenant": t} for t, k in self.keys.items()}, f)
+            cmd += ["--api-keys", self._keyfile]
+        return cmd
+
+    def __enter__(self) -> "LocalServer":
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.__exit__()
+        raise RuntimeError(f"server did not become healthy in 300 s; log: {self.log_path}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._keyfile:
+            os.unlink(self._keyfile)
+            self._keyfile = None
+
+    def rss_mb(self) -> dict:
+        """Peak (VmHWM) and current (VmRSS) resident memory of the server process, in MB."""
+        out = {}
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "VmRSS"):
+                    out[key] = int(value.split()[0]) / 1024
+        return {"peak_rss_mb": out.get("VmHWM"), "rss_mb": out.get("VmRSS")}
+
+
+def scrape(text: str) -> dict | None:
+    """The prefixcache: figures the report uses, from a Prometheus text exposition (None: another server)."""
+    s = {"hits": 0.0, "queries": 0.0, "evictions": 0.0, "usage": 0.0}
+    found = False
+    names = {"prefixcache:prefix_cache_hits": "hits", "prefixcache:prefix_cache_queries": "queries",
+             "prefixcache:cache_evictions": "evictions", "prefixcache:kv_cache_usage_perc": "usage"}
+    for fam in text_string_to_metric_families(text):
+        key = names.get(fam.name)
+        if key:
+            found = True
+            s[key] += sum(sample.value for sample in fam.samples if not sample.name.endswith("_created"))
+    return s if found else None
+
+
+class MetricsPoller:
+    """Polls /metrics during a run: peak KV usage, and evictions / cache hits as differences from the start."""
+
+    def __init__(self, url: str, interval: float = 0.5):
+        self.url, self.interval = url, interval
+        self.first: dict | None = None
+        self.last: dict | None = None
+        self.peak_usage = 0.0
+        self._task: asyncio.Task | None = None
+
+    async def _poll(self, client: httpx.AsyncClient) -> None:
+        try:
+            r = await client.get(f"{self.url}/metrics", timeout=5)
+        except httpx.HTTPError:
+            return
+        if r.status_code != 200:
+            return
+        s = scrape(r.text)
+        if s is None:
+            return
+        self.first = self.first or s
+        self.last = s
+        self.peak_usage = max(self.peak_usage, s["usage"])
+
+    async def __aenter__(self) -> "MetricsPoller":
+        self._client = httpx.AsyncClient()
+        await self._poll(self._client)
+
+        async def loop():
+            while True:
+                await asyncio.sleep(self.interval)
+                await self._poll(self._client)
+
+        self._task = asyncio.create_task(loop())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._task.cancel()
+        await self._poll(self._client)
+        await self._client.aclose()
+
+    def summary(self) -> dict | None:
+        if not self.first:
+            return None  # not a prefixcache server (or no /metrics)
+        return {"peak_kv_usage_perc": 100 * self.peak_usage,
+                "evictions": self.last["evictions"] - self.first["evictions"],
+                "server_hit_tokens": self.last["hits"] - self.first["hits"],
+                "server_query_tokens": self.last["queries"] - self.first["queries"]}

@@ -1,0 +1,82 @@
+"""Sweeps: TTFT against shared-prefix length, hit rate and TTFT against arrival rate, hit rate against memory."""
+import json
+import os
+import random
+import statistics
+
+from prefixcache.bench.driver import Load, Target
+from prefixcache.bench.runs import Bench, local, measure
+from prefixcache.bench.workloads import Session, Size, Turn, Workload, multi_tenant, shared_system_prompt, system_prompt, text
+
+SUFFIX_TOKENS = 64
+KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2  # SmolLM2-135M: 2 x layers x kv_heads x head_dim x bf16
+
+
+def prefix_length(lengths: list[int], hits: int, bench: Bench) -> list[dict]:
+    """Per length L: one cold request (miss), then `hits` requests with the same L-token system prompt and a new
+    64-token question. Also the 64-token question alone, a measured floor that pays no attention over a prefix."""
+    sessions, kinds = [], []
+    for i, n in enumerate(lengths):
+        rng = random.Random(1000 + i)
+        system = {"role": "system", "content": system_prompt(rng, n)}
+        for k in range(hits + 1):
+            sessions.append(Session([Turn([system, {"role": "user", "content": text(rng, SUFFIX_TOKENS)}], 1)]))
+            kinds.append((n, "miss" if k == 0 else "hit"))
+    rng = random.Random(999)
+    for _ in range(3):
+        sessions.append(Session([Turn([{"role": "user", "content": text(rng, SUFFIX_TOKENS)}], 1)]))
+        kinds.append((0, "alone"))
+    workload = Workload("prefix-length sweep", sessions)
+    with local(bench, workload, min_cache_tokens=16) as srv:
+        _, results = measure(workload, Target("sweep", srv.url), bench, "cache on", srv, Load(users=1))
+    floor = statistics.median(r.ttft for r, (_, kind) in zip(results, kinds) if kind == "alone" and r.ok)
+    points = []
+    for n in lengths:
+        rs = [(r, kind) for r, (m, kind) in zip(results, kinds) if m == n and r.ok]
+        miss = [r for r, kind in rs if kind == "miss"]
+        hit = [r for r, kind in rs if kind == "hit"]
+        if not miss or not hit:
+            continue
+        points.append({"target_tokens": n, "prompt_tokens": miss[0].prompt_tokens,
+                       "cached_tokens": statistics.median(r.cached_tokens or 0 for r in hit),
+                       "miss_ttft_s": miss[0].ttft, "hit_ttft_s": statistics.median(r.ttft for r in hit),
+                       "alone_64_ttft_s": floor})
+    return points
+
+
+def engine_floor(path: str = "bench/results/engine.json") -> float | None:
+    """The runner-only floor from the engine benchmark: 64 tokens prefilled over 4096 cached ones."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["prefixcache"].get("suffix_floor_64_on_4096_s")
+
+
+def arrival_rate(rates: list[float], size: Size, seed: int, bench: Bench) -> list[dict]:
+    """Open-loop Poisson runs of the shared-system-prompt workload, a new system prompt (seed) per rate."""
+    points = [{"rate": r} for r in rates]
+    for cache, label in ((True, "on"), (False, "off")):
+        workloads = [shared_system_prompt(seed + i, size) for i in range(len(rates))]
+        with local(bench, workloads[0], prefix_cache=cache) as srv:
+            for p, w in zip(points, workloads):
+                s, _ = measure(w, Target(label, srv.url), bench, f"{p['rate']} req/s, cache {label}", srv,
+                               Load(rate=p["rate"], seed=seed))
+                p[f"ttft_p50_{label}_s"], p[f"ttft_p99_{label}_s"] = s["ttft_p50_s"], s["ttft_p99_s"]
+                if cache:
+                    p["hit_rate_tokens"] = s["hit_rate_tokens"]
+    return points
+
+
+def memory_budget(fractions: list[float], size: Size, seed: int, bench: Bench) -> list[dict]:
+    """The multi-tenant workload with the KV budget set to live KV plus a fraction of all tenants' prefixes."""
+    workload = multi_tenant(seed, size)
+    live = bench.load.users * (size.prefix_tokens + size.question_tokens + size.max_tokens) * KV_BYTES_PER_TOKEN
+    prefixes = size.tenants * size.prefix_tokens * KV_BYTES_PER_TOKEN
+    points = []
+    for f in fractions:
+        gb = (live + f * prefixes) / 2**30
+        with local(bench, workload, cache_memory_gb=round(gb, 4)) as srv:
+            s, _ = measure(workload, Target("mem", srv.url, srv.keys), bench, f"{gb * 1024:.0f} MB", srv)
+        points.append({"fraction_of_prefixes": f, "budget_mb": gb * 1024, "hit_rate_tokens": s["hit_rate_tokens"],
+                       "ttft_p50_s": s["ttft_p50_s"], "evictions": s.get("evictions"), "errors": s["errors"]})
+    return points
