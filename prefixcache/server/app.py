@@ -93,10 +93,10 @@ class Server:
         return gen
 
 
-def create_app(cfg: ServeConfig, engine: Engine | None = None) -> FastAPI:
+def create_app(cfg: ServeConfig) -> FastAPI:
     from prefixcache.server import anthropic, openai
 
-    server = Server(cfg, engine or load_engine(cfg))
+    server = Server(cfg, load_engine(cfg))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -84,16 +84,15 @@ class Generation:
             m.finish(out, self.token_times)
         elif aborted:
             m.success.labels(m.model_name, "abort").inc()
-        if status == 200:  # errors are counted where they are rendered
-            m.status(self.api, status)
+        if status != 200:  # errors are counted and logged where they are rendered
+            return
+        m.status(self.api, status)
         seq = self.handle.seq
         log.info(json.dumps({
             "api": self.api, "tenant": self.tenant, "status": status,
-            "finish_reason": out.finish_reason if out else ("abort" if aborted else None),
-            "prompt_tokens": seq.num_prompt if seq else None, "cached_tokens": self.cached_tokens if seq else None,
-            "completion_tokens": len(out.token_ids) if out else None,
-            "cache_write_tokens": out.cache_write_tokens if out else None,
-            "scope": seq.scope_kind if seq else None,
+            "finish_reason": out.finish_reason if out else "abort", "prompt_tokens": seq.num_prompt,
+            "cached_tokens": self.cached_tokens, "completion_tokens": len(seq.output_ids),
+            "cache_write_tokens": self.cache_write, "scope": seq.scope_kind,
             "ttft": round(out.ttft, 4) if out and out.ttft else None,
             "latency": round(time.monotonic() - self.start_time, 4),
         }))
