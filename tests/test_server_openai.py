@@ -1,10 +1,16 @@
 """OpenAI API against a real server: chat and completions, streaming, cached_tokens, tenants, purge, metrics."""
+import json
+import logging
+
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 from server_fixtures import SHARED_SYSTEM, long_system, main_server, metrics, nocache_server, prefix_header
 
 from prefixcache.server.prompt import encode_system
+
+MIN_PROMPT = 200  # long_system() prompts are longer than this, and than the server's minimum cacheable length
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +42,6 @@ def test_chat_reports_cached_tokens_on_the_second_request(srv):
     assert h2 == {"cached": str(cached), "prompt": str(second.usage.prompt_tokens), "scope": "own"}
     assert second.choices[0].message.content == first.choices[0].message.content  # warm == cold
     assert second.choices[0].finish_reason in ("stop", "length") and second.usage.completion_tokens <= 8
-
-
-MIN_PROMPT = 200
 
 
 def test_warm_output_equals_output_with_the_cache_off(srv):
@@ -180,3 +183,13 @@ def test_metrics_move(srv):
 def test_models_and_health(srv):
     assert [m.id for m in client(srv).models.list()] == [srv.server.model_name]
     assert httpx.get(f"{srv.url}/health").json()["status"] == "ok"
+
+
+def test_one_json_log_line_per_request(srv, caplog):
+    with caplog.at_level(logging.INFO, logger="prefixcache.request"):
+        chat(srv, "Be brief.")
+        with pytest.raises(openai.BadRequestError):
+            client(srv).chat.completions.create(model="default", messages=[], max_tokens=4)
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefixcache.request"]
+    assert [line["status"] for line in lines] == [200, 400]
+    assert lines[0]["tenant"] == "acme" and lines[0]["prompt_tokens"] > 0 and lines[0]["completion_tokens"] > 0
