@@ -184,3 +184,20 @@ def test_stop_strings_and_max_tokens(tiny_model):
     out = llm.generate([BASE[:20]], SamplingParams(temperature=0.0, max_tokens=30, stop=[stop],
                                                    ignore_eos=True))[0]
     assert out.finish_reason == "stop" and out.text == free.text[:free.text.find(stop)]
+
+
+def test_miss_causes(tiny_model):
+    llm = LLM(model=tiny_model, min_cache_tokens=40)
+    now = [0.0]
+    llm.engine.manager.cache.clock = lambda: now[0]
+    doc = BASE[:120]
+    assert llm.generate([doc], GREEDY)[0].miss_cause == "cold"
+    assert llm.generate([doc], GREEDY)[0].miss_cause == "hit"
+    assert llm.generate([doc[:100] + [1, 2, 3]], GREEDY)[0].miss_cause == "diverged"
+    assert llm.generate([doc], GREEDY, scope=CacheScope(tenant="other"))[0].miss_cause == "scope"
+    assert llm.generate([BASE[200:230]], GREEDY)[0].miss_cause == "below_min_length"
+    llm.generate([BASE[300:380]], GREEDY, breakpoints=[Breakpoint(64, "5m")])
+    now[0] += 301
+    assert llm.generate([BASE[300:380]], GREEDY)[0].miss_cause == "expired"
+    llm.engine.clear_cache()
+    assert llm.generate([doc], GREEDY)[0].miss_cause == "evicted"

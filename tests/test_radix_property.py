@@ -45,6 +45,7 @@ class CacheMachine(RuleBasedStateMachine):
         needed = math.ceil(len(tokens) / BS) - len(m.nodes)
         if needed > self.pool.num_free:
             self.cache.evict(needed - self.pool.num_free)
+            self._sync_after_eviction()
         if needed > self.pool.num_free:  # does not fit: the request waits (here: gives up)
             for n in m.nodes:
                 self.pool.unref(n.block)
@@ -71,6 +72,10 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 50))
     def evict(self, n):
         self.cache.evict(n)
+        self._sync_after_eviction()
+
+    def _sync_after_eviction(self):
+        """What is left must include every locked path; the reference forgets what was evicted."""
         live = {s: set() for s in SCOPES}
         for node in self.cache.nodes.values():
             path = []

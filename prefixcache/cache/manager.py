@@ -61,6 +61,7 @@ class CacheManager:
             if m and len(m):
                 shared = self.cache and any(n.scope != seq.scope.key for n in nodes + [m.partial] if n)
                 seq.scope_kind = "shared" if shared else "own"
+            seq.miss_cause = self._miss_cause(seq, m)
         return True
 
     def grow(self, seq: Sequence, n_tokens: int) -> bool:
@@ -125,6 +126,26 @@ class CacheManager:
         }
 
     # ---- helpers ------------------------------------------------------------------------------------------
+    def _miss_cause(self, seq: Sequence, m) -> str:
+        """Why the cached match stopped where it did (at token len(m))."""
+        if self.cache is None:
+            return "disabled"
+        if len(m) == len(seq.tokens) - 1:
+            return "hit"
+        j = len(m.nodes)
+        if j < len(seq.keys):
+            node = self.cache.nodes.get(seq.keys[j])
+            if node is not None and node.expires_at <= self.cache.clock():
+                return "expired"
+            if seq.keys[j] in self.cache.gone:
+                return {"ttl": "expired"}.get(self.cache.gone[seq.keys[j]], "evicted")
+            content = chain_keys(seq.tokens[:(j + 1) * self.bs], [b""] * (j + 1), self.bs)[j]
+            if content in self.cache.contents:
+                return "scope"
+        if self._publish_limit(seq) == 0:
+            return "below_min_length"
+        return "diverged" if len(m) else "cold"
+
     def _reserve(self, n: int) -> bool:
         if n > self.pool.num_free and self.cache is not None:
             self.cache.evict(n - self.pool.num_free)

@@ -11,13 +11,16 @@ then lower priority, then least recently used.
 """
 import heapq
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
 from prefixcache.cache.pool import KVPool
+
+
+GONE_MEMORY = 100_000  # removed keys remembered to explain misses
 
 
 @dataclass(eq=False)
@@ -27,6 +30,7 @@ class Node:
     scope: bytes
     tokens: tuple[int, ...]
     block: int
+    content: bytes = b""  # the key this block would have with no scope at all (for "scope differs" answers)
     children: dict[bytes, "Node"] = field(default_factory=dict)
     last_access: float = 0.0
     ttl: float | None = None
@@ -54,6 +58,8 @@ class PrefixCache:
         self.roots: dict[bytes, Node] = {}
         self.nodes: dict[bytes, Node] = {}
         self.evictions: Counter[str] = Counter()
+        self.contents: Counter[bytes] = Counter()  # scope-free keys of live full blocks
+        self.gone: OrderedDict[bytes, str] = OrderedDict()  # recently removed keys -> reason, for miss answers
 
     # ---- public API -------------------------------------------------------------------------------------
     def match(self, tokens: list[int], keys: list[bytes], scopes: list[bytes], partial_scopes: tuple[bytes, ...],
@@ -105,7 +111,10 @@ class PrefixCache:
         if parent is None:
             parent = self.roots.setdefault(scope, Node(scope, None, scope, (), 0))
         assert parent.alive, "insert under an evicted node"
-        node = Node(key, parent, scope, tokens, block, ttl=ttl, priority=priority)
+        node = Node(key, parent, scope, tokens, block, ttl=ttl, priority=priority,
+                    content=block_key(parent.content, b"", np.asarray(tokens, dtype=np.int32).tobytes()))
+        self.contents[node.content] += 1
+        self.gone.pop(key, None)
         self.pool.ref(block)
         parent.children[key] = node
         self.nodes[key] = node
@@ -176,6 +185,12 @@ class PrefixCache:
         if not node.parent.children and node.parent.parent is None:
             del self.roots[node.parent.key]
         self.evictions[reason] += 1
+        self.contents[node.content] -= 1
+        if not self.contents[node.content]:
+            del self.contents[node.content]
+        self.gone[node.key] = reason
+        if len(self.gone) > GONE_MEMORY:
+            self.gone.popitem(last=False)
         self.pool.unref(node.block)
         return 1
 

@@ -102,7 +102,7 @@ class Engine:
         return RequestOutput(
             request_id=seq.id, prompt_token_ids=seq.tokens[:seq.num_prompt], token_ids=seq.output_ids, text=seq.text,
             finish_reason=seq.finish_reason, cached_tokens=seq.num_cached or 0, cache_write_tokens=dict(seq.cache_write),
-            scope_kind=seq.scope_kind,
+            scope_kind=seq.scope_kind, miss_cause=seq.miss_cause,
             ttft=seq.first_token_time - seq.arrival if seq.first_token_time else None,
             latency=end - seq.arrival if end else None,
         )

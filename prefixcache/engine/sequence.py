@@ -54,6 +54,8 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens whose prefill was skipped
     cache_write_tokens: dict[str, int]  # prompt tokens newly written to the cache, by TTL ("5m", "1h", "auto")
     scope_kind: str  # "own", "shared" or "none": where the matched prefix came from
+    miss_cause: str  # why the match stopped at cached_tokens: hit, diverged, scope, evicted, expired,
+    # below_min_length, cold (nothing cached), disabled
     ttft: float | None  # seconds from arrival to first token
     latency: float | None
 
@@ -87,6 +89,7 @@ class Sequence:
         self.partials_done: set[int] = set()
         self.cache_write: dict[str, int] = {}
         self.scope_kind = "none"
+        self.miss_cause = "cold"
         self.skipped = 0  # admission rounds this request was passed over
         self.finish_reason: str | None = None
         self.text = ""
