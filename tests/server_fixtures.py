@@ -56,7 +56,7 @@ def _start(name: str, cfg: ServeConfig) -> Running:
 
 def main_server(tmp_path_factory) -> Running:
     """Tenants from API keys, one declared shared prefix, prefix cache on."""
-    d = tmp_path_factory.getbasetemp()
+    d = tmp_path_factory.mktemp("server")
     (d / "keys.json").write_text(json.dumps(KEYS))
     (d / "shared.json").write_text(json.dumps([SHARED_SYSTEM]))
     return _start("main", ServeConfig(api_keys=str(d / "keys.json"), shared_prefixes=str(d / "shared.json"),
