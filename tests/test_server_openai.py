@@ -140,8 +140,11 @@ def test_purge_own_scope_and_admin_clear(srv):
     for system, key in ((acme_system, "sk-acme"), (globex_system, "sk-globex")):
         chat(srv, system, key=key)
         chat(srv, system, key=key, extra_body={"cache_salt": "other"})
+    before = metrics(srv.url)
     r = httpx.delete(f"{srv.url}/v1/cache", headers={"Authorization": "Bearer sk-acme"})
     assert r.status_code == 200 and r.json()["purged_blocks"] > 0 and r.json()["tenant"] == "acme"
+    key = ("prefixcache:cache_evictions_total", (("reason", "purge"),))
+    assert metrics(srv.url)[key] - before.get(key, 0) == r.json()["purged_blocks"]
     _, acme = chat(srv, acme_system, key="sk-acme")
     _, acme_salted = chat(srv, acme_system, key="sk-acme", extra_body={"cache_salt": "other"})
     _, globex = chat(srv, globex_system, key="sk-globex")
