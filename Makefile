@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip --disable-pip-version-check -q
 
-.PHONY: setup serve test bench demo clean
+.PHONY: setup serve test bench peers demo clean
 
 setup: .venv/.setup-done
 
@@ -23,6 +23,11 @@ test: setup
 
 bench: setup
 	$(PY) -m prefixcache.bench.engine
+	$(PY) -m prefixcache.cli bench --name default
+
+# vLLM CPU and llama-cpp-python in their own venvs under peers/ (not part of setup or CI); see peers/serve.sh
+peers: setup
+	bash peers/setup.sh
 
 clean:
 	rm -rf .venv bench/results

@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict
 
 from prefixcache.bench.report import Prices, prices_note, table
-from prefixcache.bench.workloads import GENERATORS, Size, build
+from prefixcache.bench.workloads import GENERATORS, Size, build, multi_tenant
 
 QUICK_WORKLOADS = ["shared-system-prompt", "multi-tenant"]
 
@@ -57,29 +57,43 @@ def _write(folder: str, stem: str, data: dict, md: str) -> None:
 
 def main(args) -> None:
     # imported here so that `prefixcache --help` and the other commands do not load matplotlib
-    from prefixcache.bench import plots
-    from prefixcache.bench.driver import Load, Target
-    from prefixcache.bench.runs import Bench, compare, measure, on_off
-    from prefixcache.bench.server import ServerOptions
+    from prefixcache.bench.driver import Load
+    from prefixcache.bench.runs import Bench
+    from prefixcache.bench.server import ServerOptions, Servers
 
     size = _size(args)
     name = args.name or ("compare" if args.action == "compare" else "quick" if args.quick else "default")
     folder = os.path.join(args.out, name)
     os.makedirs(folder, exist_ok=True)
     prices = Prices(args.price_input, args.price_cached, args.price_output)
-    bench = Bench(Load(users=args.users, rate=args.rate, seed=args.seed), prices,
-                  ServerOptions(cache_memory_gb=args.cache_memory_gb, min_cache_tokens=args.min_cache_tokens),
-                  os.path.join(folder, "server.log"))
     names = args.workload or (QUICK_WORKLOADS if args.quick else list(GENERATORS))
+    workloads = [build(n, args.seed, size) for n in names]
+    # every server started here knows every tenant's key, so one server serves all workloads and sweeps
+    tenants = sorted({t for w in workloads for t in w.tenants} | set(multi_tenant(args.seed, size).tenants))
+    servers = Servers(tenants, os.path.join(folder, "server.log"))
+    bench = Bench(Load(users=args.users, rate=args.rate, seed=args.seed), prices,
+                  ServerOptions(cache_memory_gb=args.cache_memory_gb, min_cache_tokens=args.min_cache_tokens), servers)
+    try:
+        _main(args, name, folder, size, workloads, bench)
+    finally:
+        servers.close()
+
+
+def _main(args, name: str, folder: str, size: Size, workloads: list, bench) -> None:
+    from prefixcache.bench import plots
+    from prefixcache.bench.driver import Target
+    from prefixcache.bench.runs import compare, measure, on_off
+
+    prices = bench.prices
     load = f"{args.rate} req/s Poisson (open loop)" if args.rate else f"{args.users} concurrent users (closed loop)"
     setup = (f"Load: {load}, seed {args.seed}, temperature 0. Servers started here: SmolLM2-135M-Instruct, "
              f"--min-cache-tokens {args.min_cache_tokens}, --cache-memory-gb {args.cache_memory_gb}. {prices_note(prices)}")
     config = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "size": asdict(size),
               "prices": asdict(prices), "cpu_count": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.action == "compare":
-        if not args.target or len(names) != 1:
+        if not args.target or len(workloads) != 1:
             raise ValueError("bench compare: give one --workload and at least one --target NAME=URL")
-        workload = build(names[0], args.seed, size)
+        workload = workloads[0]
         targets = [tuple(t.split("=", 1)) for t in args.target]
         columns = compare(workload, targets, bench)
         md = (f"# Compare: {workload.name}\n\n{workload.notes}. {workload.num_requests} requests. {setup}\n\n"
@@ -92,8 +106,7 @@ def main(args) -> None:
 
     runs, sections = {}, [f"# Workload benchmark: {name}\n", setup, "Ratios are cache off / cache on (for times, "
                           "above 1 means the cache helps; for throughput, below 1 means it does).\n"]
-    for wname in names:
-        workload = build(wname, args.seed, size)
+    for workload in workloads:
         if args.url:
             runs[workload.name] = {"target": measure(workload, Target("target", args.url.rstrip("/")), bench, "target")[0]}
             ratio = None
@@ -117,17 +130,17 @@ def run_sweeps(args, size: Size, bench, folder: str, sections: list[str]) -> dic
     from prefixcache.bench import plots, sweeps
 
     if args.quick:
-        lengths, hits, rates, fractions = [256, 1024], 1, [1.0, 4.0], [0.5, 2.0]
+        lengths, hits, rates, fractions = [256, 1024], 1, [1.0, 4.0], [0.6, 2.0]
         rate_size = Size.quick()
     else:
-        lengths, hits, rates, fractions = [256, 512, 1024, 2048, 4096, 7680], 3, [0.25, 0.5, 1.0, 2.0], [0.25, 0.5, 1.0, 2.0]
+        lengths, hits, rates, fractions = [256, 512, 1024, 2048, 4096, 7680], 3, [0.25, 0.5, 1.0, 2.0], [0.6, 0.8, 1.0, 1.5, 3.0]
         rate_size = Size(requests=16)
     out = {"prefix_length": sweeps.prefix_length(lengths, hits, bench), "engine_floor_s": sweeps.engine_floor()}
     plots.prefix_length(out["prefix_length"], out["engine_floor_s"], os.path.join(folder, "prefix_length.png"))
     rows = [f"| {p['prompt_tokens']} | {p['cached_tokens']:.0f} | {p['miss_ttft_s']:.3f} | {p['hit_ttft_s']:.3f} | "
             f"{p['miss_ttft_s'] / p['hit_ttft_s']:.1f}x |" for p in out["prefix_length"]]
     sections.append("## TTFT vs shared-prefix length\n\nOne cold request, then the median of "
-                    f"{hits} hits with a new 64-token question each (1 user, max_tokens 1). The dashed floor is the "
+                    f"{hits} hit(s) with a new 64-token question each (1 user, max_tokens 1). The dashed floor is the "
                     f"64-token question sent alone ({out['prefix_length'][0]['alone_64_ttft_s']:.3f} s): it pays "
                     "HTTP, scheduling and a 64-token prefill but no attention over a prefix. "
                     + (f"The x marks the engine benchmark's runner-only floor on 4096 cached tokens "
@@ -136,14 +149,18 @@ def run_sweeps(args, size: Size, bench, folder: str, sections: list[str]) -> dic
                     + "\n".join(rows) + "\n\n![prefix length](prefix_length.png)\n")
     out["arrival_rate"] = sweeps.arrival_rate(rates, rate_size, args.seed + 100, bench)
     plots.arrival_rate(out["arrival_rate"], os.path.join(folder, "arrival_rate.png"))
+    rows = [f"| {p['rate']} | {p['hit_rate_tokens'] or 0:.3f} | {p['ttft_p50_on_s']:.3f} | {p['ttft_p50_off_s']:.3f} | "
+            f"{p['ttft_p99_on_s']:.3f} | {p['ttft_p99_off_s']:.3f} |" for p in out["arrival_rate"]]
     sections.append(f"## Hit rate and TTFT vs arrival rate\n\nshared-system-prompt, {rate_size.requests} requests "
-                    "per rate, a new system prompt per rate.\n\n![arrival rate](arrival_rate.png)\n")
+                    "per rate, Poisson arrivals, the cache emptied before each run.\n\n| rate (req/s) | hit rate | "
+                    "TTFT p50 on (s) | TTFT p50 off (s) | TTFT p99 on (s) | TTFT p99 off (s) |\n|---|---|---|---|---|---|\n"
+                    + "\n".join(rows) + "\n\n![arrival rate](arrival_rate.png)\n")
     out["memory_budget"] = sweeps.memory_budget(fractions, size, args.seed, bench)
     plots.memory_budget(out["memory_budget"], os.path.join(folder, "memory_budget.png"))
-    rows = [f"| {p['budget_mb']:.0f} | {p['fraction_of_prefixes']} | {p['hit_rate_tokens'] or 0:.3f} | "
+    rows = [f"| {p['budget_mb']:.0f} | {p['fraction_of_working_set']} | {p['hit_rate_tokens'] or 0:.3f} | "
             f"{p['ttft_p50_s'] or 0:.3f} | {p['evictions'] or 0:.0f} | {p['errors']} |" for p in out["memory_budget"]]
-    sections.append("## Hit rate vs cache memory budget\n\nmulti-tenant workload; budget = live KV of "
-                    f"{bench.load.users} users + a fraction of all tenants' prefixes.\n\n"
-                    "| budget (MB) | fraction of prefixes | hit rate | TTFT p50 (s) | evictions | errors |\n"
+    sections.append("## Hit rate vs cache memory budget\n\nmulti-tenant workload; the budget is a fraction of "
+                    f"its working set: every tenant's prefix once plus the question and reply of {bench.load.users} "
+                    "users.\n\n| budget (MB) | fraction of working set | hit rate | TTFT p50 (s) | evictions | errors |\n"
                     "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n![memory](memory_budget.png)\n")
     return out

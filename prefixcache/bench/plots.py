@@ -13,7 +13,7 @@ def _save(fig, path: str) -> str:
 
 
 def on_off(runs: dict[str, dict[str, dict]], path: str) -> str:
-    """TTFT p50 and p99 per workload, cache on vs off (log scale)."""
+    """TTFT p50 and p99 per workload, cache on vs off."""
     names = list(runs)
     fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(names) + 2), 3.8))
     width = 0.2
@@ -23,7 +23,6 @@ def on_off(runs: dict[str, dict[str, dict]], path: str) -> str:
         ax.bar(xs, [runs[n][col][key] or 0 for n in names], width, color=color,
                label=f"{col}, {key.split('_')[1]}")
     ax.set_xticks(range(len(names)), names, rotation=15)
-    ax.set_yscale("log")
     ax.set_ylabel("time to first token (s)")
     ax.set_title("TTFT per workload, prefix cache on vs off")
     ax.legend(fontsize=8)
@@ -32,7 +31,7 @@ def on_off(runs: dict[str, dict[str, dict]], path: str) -> str:
 
 def prefix_length(points: list[dict], engine_floor: float | None, path: str) -> str:
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [p["prompt_tokens"] - 64 for p in points]
+    xs = [p["prompt_tokens"] for p in points]
     ax.plot(xs, [p["miss_ttft_s"] for p in points], "o-", color="tab:red", label="miss (cold prefix)")
     ax.plot(xs, [p["hit_ttft_s"] for p in points], "o-", color="tab:green", label="hit (prefix cached)")
     ax.plot(xs, [p["alone_64_ttft_s"] for p in points], "--", color="gray",
@@ -42,7 +41,7 @@ def prefix_length(points: list[dict], engine_floor: float | None, path: str) -> 
                 label="floor, engine bench: 64 tokens on 4096 cached, runner only")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("shared prefix (prompt tokens before the 64-token question)")
+    ax.set_xlabel("prompt tokens (shared prefix + a 64-token question)")
     ax.set_ylabel("time to first token (s)")
     ax.set_title("TTFT vs shared-prefix length")
     ax.legend(fontsize=7)
@@ -72,7 +71,7 @@ def memory_budget(points: list[dict], path: str) -> str:
     xs = [p["budget_mb"] for p in points]
     ax.plot(xs, [p["hit_rate_tokens"] or 0 for p in points], "o-", color="tab:green", label="hit rate (tokens)")
     ax.set_ylim(0, 1)
-    ax.set_xlabel("KV memory budget (MB): live sequences + cached prefixes")
+    ax.set_xlabel("KV memory budget (MB), live and cached blocks together")
     ax.set_ylabel("hit rate (token-weighted)")
     ax2 = ax.twinx()
     ax2.plot(xs, [p["ttft_p50_s"] or 0 for p in points], "s--", color="tab:blue", label="TTFT p50")
@@ -92,7 +91,6 @@ def compare(columns: dict[str, dict], path: str) -> str:
         ax.bar([i + (j - 0.5) * 0.35 for i in range(len(names))], [columns[n][key] or 0 for n in names], 0.35,
                color=color, label=key.split("_")[1])
     ax.set_xticks(range(len(names)), names)
-    ax.set_yscale("log")
     ax.set_ylabel("time to first token (s)")
     ax.legend(fontsize=8)
     return _save(fig, path)

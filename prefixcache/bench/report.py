@@ -61,7 +61,7 @@ ROWS = [("TTFT p50 (s)", "ttft_p50_s", 3), ("TTFT p90 (s)", "ttft_p90_s", 3), ("
         ("saved input tokens", "saved_input_tokens", 0), ("prompt tokens", "prompt_tokens", 0),
         ("cost per successful task ($)", "cost_per_task_usd", 6), ("requests ok / errors", "ok", 0),
         ("peak KV usage (%)", "peak_kv_usage_perc", 1), ("evictions (blocks)", "evictions", 0),
-        ("server peak RSS (MB)", "peak_rss_mb", 0)]
+        ("server RSS after the run (MB)", "rss_mb", 0), ("server peak RSS since its start (MB)", "peak_rss_mb", 0)]
 
 
 def fmt(v, digits: int) -> str:

@@ -1,12 +1,12 @@
 """One measured run (driver + /metrics poller + progress bar), the cache-on-vs-off pair, and multi-target compare."""
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from prefixcache.bench.driver import Load, Result, Target, run
 from prefixcache.bench.report import Prices, summarize
-from prefixcache.bench.server import LocalServer, MetricsPoller, ServerOptions
+from prefixcache.bench.server import LocalServer, MetricsPoller, ServerOptions, Servers
 from prefixcache.bench.workloads import Session, Turn, Workload
 
 WARMUP = Workload("warmup", [Session([Turn([{"role": "user", "content": "Say hello."}], 2)])])
@@ -18,8 +18,8 @@ class Bench:
 
     load: Load
     prices: Prices
-    server: ServerOptions = field(default_factory=ServerOptions)
-    log_path: str | None = None  # server logs (appended)
+    server: ServerOptions  # for the servers started here; sweeps and on/off vary some fields
+    servers: Servers
 
 
 def progress() -> Progress:
@@ -28,12 +28,13 @@ def progress() -> Progress:
 
 def measure(workload: Workload, target: Target, bench: Bench, label: str,
             server: LocalServer | None = None, load: Load | None = None) -> tuple[dict, list[Result]]:
-    """Warm the server up with one tiny request, then drive the workload and summarize it."""
+    """Warm the server up with one tiny request, empty its cache, then drive the workload and summarize it."""
     load = load or bench.load
 
     async def go():
-        await run(WARMUP, Target(target.name, target.url, {"default": next(iter(target.keys.values()), "")}),
-                  Load(users=1))
+        await run(WARMUP, target, Load(users=1))
+        if server:
+            server.empty_cache()
         with progress() as bar:
             task = bar.add_task(f"{workload.name} [{label}]", total=workload.num_requests)
             async with MetricsPoller(target.url) as poller:
@@ -45,17 +46,16 @@ def measure(workload: Workload, target: Target, bench: Bench, label: str,
     return summarize(results, wall, bench.prices, extra), results
 
 
-def local(bench: Bench, workload: Workload, **changes) -> LocalServer:
-    opts = ServerOptions(**{**vars(bench.server), "tenants": workload.tenants, **changes})
-    return LocalServer(opts, bench.log_path)
+def local(bench: Bench, **changes) -> LocalServer:
+    return bench.servers.get(replace(bench.server, **changes))
 
 
 def on_off(workload: Workload, bench: Bench) -> dict[str, dict]:
     """The same workload against a fresh server with the prefix cache on, then off."""
     columns = {}
     for label, cache in (("cache on", True), ("cache off", False)):
-        with local(bench, workload, prefix_cache=cache) as srv:
-            columns[label], _ = measure(workload, Target(label, srv.url, srv.keys), bench, label, srv)
+        srv = local(bench, prefix_cache=cache)
+        columns[label], _ = measure(workload, Target(label, srv.url, srv.keys), bench, label, srv)
     return columns
 
 
@@ -65,8 +65,8 @@ def compare(workload: Workload, targets: list[tuple[str, str]], bench: Bench) ->
     for name, url in targets:
         if url in ("local", "local-nocache", "hf"):
             kind = "hf" if url == "hf" else "prefixcache"
-            with local(bench, workload, prefix_cache=url == "local", kind=kind) as srv:
-                columns[name], _ = measure(workload, Target(name, srv.url, srv.keys), bench, name, srv)
+            srv = local(bench, prefix_cache=url == "local", kind=kind)
+            columns[name], _ = measure(workload, Target(name, srv.url, srv.keys), bench, name, srv)
         else:
             columns[name], _ = measure(workload, Target(name, url.rstrip("/")), bench, name)
     return columns

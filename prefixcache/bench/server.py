@@ -1,7 +1,8 @@
 """Servers under test: start one as a subprocess on a free loopback port, read its RSS, poll its /metrics.
 
 `LocalServer` runs `prefixcache serve` (or the HF transformers peer) so the benchmark owns the process: its
-memory is read from /proc/<pid>/status (VmHWM: peak resident set, VmRSS: current).
+memory is read from /proc/<pid>/status (VmHWM: peak resident set, VmRSS: current). A model load takes ~10 s,
+so `Servers` keeps the last two started servers running for reuse, and each run first empties the cache.
 """
 import asyncio
 import json
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,22 +24,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerOptions:
     prefix_cache: bool = True
     cache_memory_gb: float = 2.0
     min_cache_tokens: int = 256
     max_num_seqs: int = 16
-    tenants: list[str] = field(default_factory=list)  # each gets an API key
     kind: str = "prefixcache"  # or "hf": the HF transformers generate() peer
 
 
+ADMIN_KEY = "sk-bench-admin"
+
+
 class LocalServer:
-    def __init__(self, opts: ServerOptions, log_path: str | None = None):
+    def __init__(self, opts: ServerOptions, tenants: list[str], log_path: str | None = None):
         self.opts = opts
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.keys = {t: f"sk-bench-{t}" for t in opts.tenants}
+        self.keys = {t: f"sk-bench-{t}" for t in ["default", *tenants]}  # tenant -> API key
         self.log_path = log_path or os.devnull
         self.proc: subprocess.Popen | None = None
         self._keyfile: str | None = None
@@ -52,12 +55,16 @@ class LocalServer:
                "--max-num-seqs", str(o.max_num_seqs)]
         if not o.prefix_cache:
             cmd.append("--no-prefix-cache")
-        if self.keys:
-            fd, self._keyfile = tempfile.mkstemp(suffix=".json", prefix="bench-keys-")
-            with os.fdopen(fd, "w") as f:
-                json.dump({k: {"tenant": t} for t, k in self.keys.items()}, f)
-            cmd += ["--api-keys", self._keyfile]
-        return cmd
+        fd, self._keyfile = tempfile.mkstemp(suffix=".json", prefix="bench-keys-")
+        with os.fdopen(fd, "w") as f:
+            json.dump({ADMIN_KEY: {"tenant": "bench-admin", "admin": True},
+                       **{k: {"tenant": t} for t, k in self.keys.items()}}, f)
+        return cmd + ["--api-keys", self._keyfile]
+
+    def empty_cache(self) -> None:
+        if self.opts.kind == "prefixcache":
+            httpx.delete(f"{self.url}/v1/cache", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                         timeout=60).raise_for_status()
 
     def __enter__(self) -> "LocalServer":
         log = open(self.log_path, "a")
@@ -97,6 +104,26 @@ class LocalServer:
                 if key in ("VmHWM", "VmRSS"):
                     out[key] = int(value.split()[0]) / 1024
         return {"peak_rss_mb": out.get("VmHWM"), "rss_mb": out.get("VmRSS")}
+
+
+class Servers:
+    """Local servers by options, started on first use; the oldest is stopped when a third one is needed."""
+
+    def __init__(self, tenants: list[str], log_path: str | None = None, keep: int = 2):
+        self.tenants, self.log_path, self.keep = tenants, log_path, keep
+        self.running: dict[ServerOptions, LocalServer] = {}
+
+    def get(self, opts: ServerOptions) -> LocalServer:
+        if opts not in self.running:
+            while len(self.running) >= self.keep:
+                self.running.pop(next(iter(self.running))).__exit__()
+            self.running[opts] = LocalServer(opts, self.tenants, self.log_path).__enter__()
+        return self.running[opts]
+
+    def close(self) -> None:
+        for srv in self.running.values():
+            srv.__exit__()
+        self.running.clear()
 
 
 def scrape(text: str) -> dict | None:

@@ -27,8 +27,8 @@ def prefix_length(lengths: list[int], hits: int, bench: Bench) -> list[dict]:
         sessions.append(Session([Turn([{"role": "user", "content": text(rng, SUFFIX_TOKENS)}], 1)]))
         kinds.append((0, "alone"))
     workload = Workload("prefix-length sweep", sessions)
-    with local(bench, workload, min_cache_tokens=16) as srv:
-        _, results = measure(workload, Target("sweep", srv.url), bench, "cache on", srv, Load(users=1))
+    srv = local(bench, prefix_cache=True)
+    _, results = measure(workload, Target("sweep", srv.url, srv.keys), bench, "cache on", srv, Load(users=1))
     floor = statistics.median(r.ttft for r, (_, kind) in zip(results, kinds) if kind == "alone" and r.ok)
     points = []
     for n in lengths:
@@ -53,30 +53,30 @@ def engine_floor(path: str = "bench/results/engine.json") -> float | None:
 
 
 def arrival_rate(rates: list[float], size: Size, seed: int, bench: Bench) -> list[dict]:
-    """Open-loop Poisson runs of the shared-system-prompt workload, a new system prompt (seed) per rate."""
+    """Open-loop Poisson runs of the shared-system-prompt workload, cache on and off."""
     points = [{"rate": r} for r in rates]
+    workload = shared_system_prompt(seed, size)
     for cache, label in ((True, "on"), (False, "off")):
-        workloads = [shared_system_prompt(seed + i, size) for i in range(len(rates))]
-        with local(bench, workloads[0], prefix_cache=cache) as srv:
-            for p, w in zip(points, workloads):
-                s, _ = measure(w, Target(label, srv.url), bench, f"{p['rate']} req/s, cache {label}", srv,
-                               Load(rate=p["rate"], seed=seed))
-                p[f"ttft_p50_{label}_s"], p[f"ttft_p99_{label}_s"] = s["ttft_p50_s"], s["ttft_p99_s"]
-                if cache:
-                    p["hit_rate_tokens"] = s["hit_rate_tokens"]
+        srv = local(bench, prefix_cache=cache)
+        for p in points:
+            s, _ = measure(workload, Target(label, srv.url, srv.keys), bench, f"{p['rate']} req/s, cache {label}", srv,
+                           Load(rate=p["rate"], seed=seed))
+            p[f"ttft_p50_{label}_s"], p[f"ttft_p99_{label}_s"] = s["ttft_p50_s"], s["ttft_p99_s"]
+            if cache:
+                p["hit_rate_tokens"] = s["hit_rate_tokens"]
     return points
 
 
 def memory_budget(fractions: list[float], size: Size, seed: int, bench: Bench) -> list[dict]:
-    """The multi-tenant workload with the KV budget set to live KV plus a fraction of all tenants' prefixes."""
+    """The multi-tenant workload with the KV budget set to a fraction of its working set: every tenant's prefix
+    once, plus each concurrent user's question and reply (live requests share the cached prefix blocks)."""
     workload = multi_tenant(seed, size)
-    live = bench.load.users * (size.prefix_tokens + size.question_tokens + size.max_tokens) * KV_BYTES_PER_TOKEN
-    prefixes = size.tenants * size.prefix_tokens * KV_BYTES_PER_TOKEN
+    working_set = size.tenants * size.prefix_tokens + bench.load.users * (size.question_tokens + size.max_tokens + 32)
     points = []
     for f in fractions:
-        gb = (live + f * prefixes) / 2**30
-        with local(bench, workload, cache_memory_gb=round(gb, 4)) as srv:
-            s, _ = measure(workload, Target("mem", srv.url, srv.keys), bench, f"{gb * 1024:.0f} MB", srv)
-        points.append({"fraction_of_prefixes": f, "budget_mb": gb * 1024, "hit_rate_tokens": s["hit_rate_tokens"],
+        gb = f * working_set * KV_BYTES_PER_TOKEN / 2**30
+        srv = local(bench, prefix_cache=True, cache_memory_gb=round(gb, 4))
+        s, _ = measure(workload, Target("mem", srv.url, srv.keys), bench, f"{gb * 1024:.0f} MB", srv)
+        points.append({"fraction_of_working_set": f, "budget_mb": gb * 1024, "hit_rate_tokens": s["hit_rate_tokens"],
                        "ttft_p50_s": s["ttft_p50_s"], "evictions": s.get("evictions"), "errors": s["errors"]})
     return points
