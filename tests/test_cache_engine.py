@@ -105,9 +105,39 @@ def test_ttl_expiry_pin_and_purge(tiny_model):
     llm.engine.purge(CacheScope(tenant="a"))
     assert llm.generate([BASE[:64]], GREEDY, scope=CacheScope(tenant="a"))[0].cached_tokens == 0
     assert llm.generate([BASE[:64]], GREEDY, scope=CacheScope(tenant="b"))[0].cached_tokens == 63
+    assert llm.pin(BASE[:64], CacheScope(tenant="b")) == 64
+    assert cache.evict(10**6) > 0  # the unpinned rest goes
+    assert llm.generate([BASE[:64]], GREEDY, scope=CacheScope(tenant="b"))[0].cached_tokens == 63
     cache.pin(list(cache.nodes.values()))
     assert cache.evict(10**6) == 0  # eviction never takes pinned entries; an explicit clear does
-    assert cache.clear() == 10 and cache.num_blocks == 0
+    assert cache.clear() == cache.evictions["clear"] and cache.num_blocks == 0
+
+
+def test_eviction_order_expired_then_priority_then_lru(tiny_model):
+    llm = LLM(model=tiny_model)
+    now = [0.0]
+    cache = llm.engine.manager.cache
+    cache.clock = lambda: now[0]
+    outs = []
+    for span, kwargs in (((0, 32), {}), ((100, 132), {}), ((200, 232), dict(priority=5)),
+                         ((300, 340), dict(breakpoints=[Breakpoint(32, "5m")]))):
+        now[0] += 1
+        outs.append(llm.generate([BASE[span[0]:span[1]]], GREEDY, **kwargs)[0])
+    old_low, recent_low, high, expiring = outs
+    assert all(o.cache_write_tokens for o in (old_low, recent_low, high, expiring))
+    now[0] += 400  # the 5m entry expires; the others have no TTL
+
+    def cached(span):
+        return llm.engine.pin(BASE[span[0]:span[1]], pinned=False)  # full blocks still matchable; changes nothing
+    cache.evict(2)
+    assert dict(cache.evictions) == {"ttl": 2}  # the expired entry's two blocks go first
+    order = []
+    while cache.num_blocks:
+        before = {p: cached(p) for p in ((0, 32), (100, 132), (200, 232))}
+        cache.evict(1)
+        after = {p: cached(p) for p in before}
+        order += [p for p in before if before[p] > after[p]]
+    assert order.index((0, 32)) < order.index((100, 132)) < order.index((200, 232))
 
 
 def test_tiny_budget_evicts_and_stays_correct(tiny_model):

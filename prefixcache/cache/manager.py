@@ -30,16 +30,20 @@ class CacheManager:
         n_full = len(seq.tokens) // self.bs
         seq.keys = chain_keys(seq.tokens, [self._scope(seq, (j + 1) * self.bs) for j in range(n_full)], self.bs)
 
-    def match(self, seq: Sequence):
+    def match(self, seq: Sequence, limit: int | None = None):
+        """The cached prefix of the sequence, by default leaving its last token to compute."""
         if self.cache is None:
             return None
         scopes = [self._scope(seq, (j + 1) * self.bs) for j in range(len(seq.keys))]
         partial_scopes = (seq.scope.key, seq.scope.shared().key) if seq.shared_len else (seq.scope.key,)
-        return self.cache.match(seq.tokens, seq.keys, scopes, partial_scopes, len(seq.tokens) - 1)
+        return self.cache.match(seq.tokens, seq.keys, scopes, partial_scopes,
+                                len(seq.tokens) - 1 if limit is None else limit)
 
-    def admit(self, seq: Sequence) -> bool:
-        """Lock the cached prefix and allocate blocks for the rest of the known tokens; False if it doesn't fit."""
-        m = self.match(seq)
+    def admit(self, seq: Sequence, m=None) -> bool:
+        """Lock the cached prefix (m, or a fresh match) and allocate blocks for the rest of the known tokens;
+        False if it doesn't fit."""
+        if m is None or not all(n.alive for n in m.nodes + ([m.partial] if m.partial else [])):
+            m = self.match(seq)  # an admission earlier in this step may have evicted part of the old match
         nodes = m.nodes if m else []
         for n in nodes:
             self.pool.ref(n.block)
@@ -49,6 +53,8 @@ class CacheManager:
                 self.pool.unref(n.block)
             return False
         fresh = self.pool.allocate(needed)
+        if m:
+            self.cache.touch(nodes + ([m.partial] if m.partial else []))
         if m and m.partial:
             self.pool.copy(m.partial.block, fresh[0], m.partial_len)
         seq.block_table = [n.block for n in nodes] + fresh

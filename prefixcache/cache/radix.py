@@ -65,7 +65,7 @@ class PrefixCache:
     def match(self, tokens: list[int], keys: list[bytes], scopes: list[bytes], partial_scopes: tuple[bytes, ...],
               limit: int) -> Match:
         """Longest cached prefix of `tokens`, at most `limit` tokens long. keys[j] and scopes[j] belong to full
-        block j; a partial hit may come from any scope in `partial_scopes`."""
+        block j; a partial hit may come from any scope in `partial_scopes`. Pure: the caller touches what it uses."""
         now, bs = self.clock(), self.bs
         nodes: list[Node] = []
         parent = self.roots.get(scopes[0]) if scopes else None
@@ -92,7 +92,6 @@ class PrefixCache:
             else:
                 result.partial = result.nodes.pop()
                 result.partial_len = bs
-        self.touch(result.nodes + ([result.partial] if result.partial else []))
         return result
 
     def insert(self, parent: Node | None, key: bytes, scope: bytes, tokens: tuple[int, ...], block: int,

@@ -90,6 +90,17 @@ class Engine:
         cache = self.manager.cache
         return cache.purge(self.scope(scope).key) if cache else 0
 
+    def pin(self, prompt: list[int], scope: CacheScope | None = None, pinned: bool = True) -> int:
+        """Pin (or unpin) the cached full blocks of a prompt so eviction never takes them; returns tokens pinned."""
+        cache = self.manager.cache
+        if cache is None:
+            return 0
+        seq = Sequence(prompt, SamplingParams(), self.scope(scope))
+        self.manager.prepare(seq)
+        nodes = self.manager.match(seq, limit=len(prompt)).nodes
+        cache.pin(nodes, pinned)
+        return len(nodes) * self.config.block_size
+
     def clear_cache(self) -> int:
         cache = self.manager.cache
         return cache.clear() if cache else 0

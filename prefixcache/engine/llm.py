@@ -11,13 +11,15 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
-                 scope: CacheScope | None = None, breakpoints: list[Breakpoint] = ()) -> list[RequestOutput]:
-        """Generate for each prompt (text, or token ids) concurrently; outputs in prompt order."""
+                 scope: CacheScope | None = None, breakpoints: list[Breakpoint] = (),
+                 priority: int = 0) -> list[RequestOutput]:
+        """Generate for each prompt (text, or token ids) concurrently; outputs in prompt order. Cache entries
+        written with a higher priority are evicted later."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         token_lists = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        seqs = [self.engine.add_request(t, params, scope, breakpoints) for t in token_lists]
+        seqs = [self.engine.add_request(t, params, scope, breakpoints, priority) for t in token_lists]
         while any(s.finish_reason is None for s in seqs):
             self.engine.step()
         return [self.engine.output(s) for s in seqs]
@@ -37,6 +39,9 @@ class LLM:
             raise ValueError("messages is empty")
         return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False)
+
+    def pin(self, prompt: str | list[int], scope: CacheScope | None = None, pinned: bool = True) -> int:
+        return self.engine.pin(self.encode(prompt) if isinstance(prompt, str) else list(prompt), scope, pinned)
 
     def cache_stats(self) -> dict:
         return self.engine.stats()

@@ -35,12 +35,12 @@ class Scheduler:
                 plan.append((seq, n))
                 budget -= n
         plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
-        for seq in self._admission_order():
+        for seq, m in self._admission_order():
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if self._waits_for_inflight(seq):
+            if self._waits_for_inflight(seq, m):
                 continue
-            if not self.manager.admit(seq):
+            if not self.manager.admit(seq, m):
                 break  # the head of the queue waits for memory rather than being overtaken forever
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
@@ -72,18 +72,18 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = Status.FINISHED
 
-    def _admission_order(self) -> list[Sequence]:
-        """Longest cached prefix first, except that a request passed over `fairness_steps` times goes first."""
-        if self.manager.cache is None or len(self.waiting) < 2:
-            return list(self.waiting)
-        hits = {seq.id: len(self.manager.match(seq)) for seq in self.waiting}
-        return sorted(self.waiting, key=lambda s: (s.skipped < self.fairness_steps, -hits[s.id], s.arrival))
-
-    def _waits_for_inflight(self, seq: Sequence) -> bool:
-        """True if a running prefill is computing the next block of this request's prefix: wait, then hit."""
+    def _admission_order(self) -> list[tuple[Sequence, object]]:
+        """(request, its cache match): longest cached prefix first, except that a request passed over
+        `fairness_steps` times goes first."""
         if self.manager.cache is None:
+            return [(seq, None) for seq in self.waiting]
+        matches = [(seq, self.manager.match(seq)) for seq in self.waiting]
+        return sorted(matches, key=lambda p: (p[0].skipped < self.fairness_steps, -len(p[1]), p[0].arrival))
+
+    def _waits_for_inflight(self, seq: Sequence, m) -> bool:
+        """True if a running prefill is computing the next block of this request's prefix: wait, then hit."""
+        if m is None:
             return False
-        m = self.manager.match(seq)
         j = len(m.nodes)
         if j >= len(seq.keys):
             return False
