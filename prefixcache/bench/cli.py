@@ -133,8 +133,8 @@ def run_sweeps(args, size: Size, bench, folder: str, sections: list[str]) -> dic
         lengths, hits, rates, fractions = [256, 1024], 1, [1.0, 4.0], [0.6, 2.0]
         rate_size = Size.quick()
     else:
-        lengths, hits, rates, fractions = [256, 512, 1024, 2048, 4096, 7680], 3, [0.25, 0.5, 1.0, 2.0], [0.6, 0.8, 1.0, 1.5, 3.0]
-        rate_size = Size(requests=16)
+        lengths, hits, rates, fractions = [256, 512, 1024, 2048, 4096], 2, [0.5, 1.0, 2.0], [0.5, 1.0, 2.0]
+        rate_size = Size(requests=8, prefix_tokens=512)
     out = {"prefix_length": sweeps.prefix_length(lengths, hits, bench), "engine_floor_s": sweeps.engine_floor()}
     plots.prefix_length(out["prefix_length"], out["engine_floor_s"], os.path.join(folder, "prefix_length.png"))
     rows = [f"| {p['prompt_tokens']} | {p['cached_tokens']:.0f} | {p['miss_ttft_s']:.3f} | {p['hit_ttft_s']:.3f} | "

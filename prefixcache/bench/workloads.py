@@ -52,10 +52,10 @@ class Workload:
 class Size:
     """Knobs shared by every generator; `quick` shrinks them for a smoke run."""
 
-    requests: int = 32
-    prefix_tokens: int = 1536  # the shared part: system prompt + tools + few-shot
-    question_tokens: int = 48
-    max_tokens: int = 32
+    requests: int = 8
+    prefix_tokens: int = 1024  # the shared part: system prompt + tools + few-shot
+    question_tokens: int = 32
+    max_tokens: int = 16
     turns: int = 4
     tenants: int = 4
 
@@ -115,7 +115,7 @@ def multi_turn(seed: int, size: Size) -> Workload:
 
 def rag(seed: int, size: Size) -> Workload:
     rng = random.Random(seed)
-    docs = [f"Document {i}: {text(rng, size.prefix_tokens // 3)}" for i in range(4 * size.requests)]
+    docs = [f"Document {i}: {text(rng, size.prefix_tokens // 4)}" for i in range(4 * size.requests)]
     system = {"role": "system", "content": "Answer from the passages below only. Cite the document number."}
     sessions = []
     for _ in range(size.requests):

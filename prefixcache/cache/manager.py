@@ -17,6 +17,7 @@ class CacheManager:
         self.min_cache_tokens = min_cache_tokens
         self.default_ttl = default_ttl
         self.shared_prefixes = sorted((tuple(p) for p in shared_prefixes if p), key=len, reverse=True)
+        self.scopes: dict = {}  # scope key -> CacheScope, for scopes that published (tenant purges)
         self.query_tokens = 0
         self.hit_tokens = 0
 
@@ -85,6 +86,7 @@ class CacheManager:
         """Make the sequence's completed blocks matchable (only once their K/V are computed)."""
         if self.cache is None:
             return
+        self.scopes[seq.scope.key] = seq.scope
         limit = self._publish_limit(seq)
         n_full = min(seq.num_computed, limit) // self.bs
         self._extend_keys(seq, n_full)
@@ -114,6 +116,16 @@ class CacheManager:
         for b in seq.block_table:
             self.pool.unref(b)
         seq.block_table, seq.nodes = [], []
+
+    def purge_tenant(self, tenant: str, labels: tuple[str, ...]) -> int:
+        """Purge every scope of a tenant and label set, whatever its salt or other fields."""
+        freed = 0
+        for key, scope in list(self.scopes.items()):
+            if scope.tenant == tenant and scope.labels == tuple(sorted(set(labels))):
+                freed += self.cache.purge(key)
+            if key not in self.cache.roots:
+                del self.scopes[key]
+        return freed
 
     # ---- state --------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -210,7 +222,10 @@ class CacheManager:
                                seq.keys[-1] if seq.keys else b"")
 
     def _count_write(self, seq: Sequence, start: int, end: int, label: str) -> None:
-        """Prompt tokens in [start, end) that this request wrote (not read) count as cache writes."""
-        n = min(end, seq.num_prompt) - max(start, seq.num_cached)
+        """Prompt tokens in [start, end) that this request wrote (not read) count as cache writes, once each:
+        a full block published over an earlier partial one counts only the tokens past it."""
+        begin = max(start, seq.num_cached, seq.write_counted)
+        n = min(end, seq.num_prompt) - begin
         if n > 0:
             seq.cache_write[label] = seq.cache_write.get(label, 0) + n
+            seq.write_counted = begin + n

@@ -90,6 +90,10 @@ class Engine:
         cache = self.manager.cache
         return cache.purge(self.scope(scope).key) if cache else 0
 
+    def purge_tenant(self, tenant: str, labels: tuple[str, ...] = ()) -> int:
+        """Drop the unreferenced entries of a tenant and label set under every salt; returns blocks freed."""
+        return self.manager.purge_tenant(tenant, labels) if self.manager.cache else 0
+
     def pin(self, prompt: list[int], scope: CacheScope | None = None, pinned: bool = True) -> int:
         """Pin (or unpin) the cached full blocks of a prompt so eviction never takes them; returns tokens pinned."""
         cache = self.manager.cache

@@ -88,6 +88,7 @@ class Sequence:
         self.shared_len = 0  # leading tokens that belong to an operator-declared shared prefix
         self.partials_done: set[int] = set()
         self.cache_write: dict[str, int] = {}
+        self.write_counted = 0  # prompt position up to which cache writes were counted
         self.scope_kind = "none"
         self.miss_cause = "cold"
         self.skipped = 0  # admission rounds this request was passed over

@@ -139,7 +139,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         if p.admin:
             freed = await server.worker.call(lambda e: e.clear_cache())
             return JSONResponse({"purged_blocks": freed, "scope": "all"})
-        freed = await server.worker.call(lambda e: server.worker.purge_scopes(p.tenant, p.labels))
+        freed = await server.worker.call(lambda e: e.purge_tenant(p.tenant, p.labels))
         return JSONResponse({"purged_blocks": freed, "scope": "tenant", "tenant": p.tenant})
 
     return app

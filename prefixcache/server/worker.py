@@ -44,7 +44,6 @@ class EngineWorker:
         self.loop = loop
         self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.live: dict[int, Handle] = {}  # seq id -> handle, engine thread only
-        self.scopes: set[CacheScope] = set()  # every scope a request used, for purges; engine thread only
         self.in_flight = 0  # submitted and not yet finished; asyncio side only
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -71,7 +70,6 @@ class EngineWorker:
                 log.exception("add_request failed")
                 self._deliver(handle, Update("", time.monotonic(), error="internal engine error", internal=True))
                 return
-            self.scopes.add(handle.seq.scope)
             self.live[handle.seq.id] = handle
 
         self.inbox.put(add)
@@ -140,7 +138,3 @@ class EngineWorker:
 
     def _deliver(self, handle: Handle, update: Update) -> None:
         self.loop.call_soon_threadsafe(handle.updates.put_nowait, update)
-
-    def purge_scopes(self, tenant: str, labels: tuple[str, ...]) -> int:
-        """Engine thread: purge every scope of this tenant and label set that has been seen (any salt)."""
-        return sum(self.engine.purge(s) for s in self.scopes if s.tenant == tenant and s.labels == labels)
