@@ -111,7 +111,7 @@ def build_prompt(tokenizer, req: MessagesRequest) -> tuple[list[int], list[Break
     if "5m" in ttls and "1h" in ttls[ttls.index("5m"):]:
         raise ApiError(400, "a ttl='1h' cache_control block must not come after a ttl='5m' cache_control block")
     prompt = render(tokenizer, msgs)
-    return prompt.token_ids, [Breakpoint(p, t) for p, t in zip(prompt.marks, ttls) if p > 0]
+    return prompt, [Breakpoint(p, t) for p, t in zip(prompt.marks, ttls) if p > 0]
 
 
 def usage(gen: Generation) -> dict:
@@ -145,7 +145,8 @@ async def messages(request: Request):
     stops = [s for s in req.stop_sequences or [] if s]
     params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p or 1.0,
                             top_k=req.top_k or 0, max_tokens=req.max_tokens, stop=stops)
-    gen = await server.generate(request, "anthropic", principal, prompt, params, req.cache_salt or "", breakpoints)
+    gen = await server.generate(request, "anthropic", principal, prompt.token_ids, params, req.cache_salt or "",
+                                breakpoints, where=prompt.where)
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": server.model_name}
 
     if not req.stream:

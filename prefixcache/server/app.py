@@ -9,6 +9,7 @@ import logging
 import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -79,8 +80,10 @@ class Server:
                                 f"(alias {MODEL_ALIAS!r})", param="model", code="model_not_found")
 
     async def generate(self, request: Request, api: str, principal: Principal, prompt: list[int],
-                       params: SamplingParams, salt: str = "", breakpoints: list[Breakpoint] = ()) -> Generation:
-        """Submit a validated request and wait for its first token."""
+                       params: SamplingParams, salt: str = "", breakpoints: list[Breakpoint] = (),
+                       where: Callable[[int], str] | None = None) -> Generation:
+        """Submit a validated request and wait for its first token. `where` maps a token position back to the
+        request (message and character offset), to explain where a cache match stopped."""
         if len(prompt) >= self.engine.max_model_len:
             raise ApiError(400, f"prompt has {len(prompt)} tokens; the context window is {self.engine.max_model_len}",
                            param="messages", code="context_length_exceeded")
@@ -88,7 +91,7 @@ class Server:
             raise ApiError(529 if api == "anthropic" else 429, "server is over capacity; retry later")
         scope = CacheScope(tenant=principal.tenant, labels=principal.labels, salt=salt)
         gen = Generation(self, self.worker.submit(prompt, params, scope, list(breakpoints)), api, principal.tenant,
-                         params.stop)
+                         params.stop, where)
         await gen.start(request)
         return gen
 

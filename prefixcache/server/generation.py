@@ -3,6 +3,7 @@ import asyncio
 import json
 import logging
 import time
+from typing import Callable
 
 from prefixcache.engine.sequence import RequestOutput
 from prefixcache.server.errors import ApiError
@@ -15,8 +16,9 @@ CLIENT_CLOSED = 499  # nginx's status for a request the client gave up on
 
 
 class Generation:
-    def __init__(self, server, handle: Handle, api: str, tenant: str, stop: list[str]):
-        self.server, self.handle, self.api, self.tenant = server, handle, api, tenant
+    def __init__(self, server, handle: Handle, api: str, tenant: str, stop: list[str],
+                 where: Callable[[int], str] | None = None):
+        self.server, self.handle, self.api, self.tenant, self.where = server, handle, api, tenant, where
         self.holdback = max((len(s) for s in stop), default=1) - 1  # a stop string may still be completing
         self.pending: Update | None = None
         self.output: RequestOutput | None = None
@@ -49,9 +51,18 @@ class Generation:
         """Prompt tokens written to the cache by TTL; complete for breakpoints once the first token exists."""
         return self.output.cache_write_tokens if self.output else dict(self.handle.seq.cache_write)
 
+    @property
+    def miss(self) -> str:
+        """Why the cached match stopped where it did, and (for chats) where in the request that is."""
+        cause = self.handle.seq.miss_cause
+        if cause in ("hit", "disabled") or self.where is None:
+            return f"miss={cause}"
+        return f"miss={cause}; {self.where(self.cached_tokens)}"
+
     def header(self) -> dict[str, str]:
         seq = self.handle.seq
-        return {"x-prefix-cache": f"cached={self.cached_tokens}; prompt={seq.num_prompt}; scope={seq.scope_kind}"}
+        return {"x-prefix-cache": f"cached={self.cached_tokens}; prompt={seq.num_prompt}; scope={seq.scope_kind}; "
+                                  f"{self.miss}"}
 
     async def deltas(self):
         """New output text, held back while it may be the start of a stop string or an incomplete character."""
@@ -92,7 +103,7 @@ class Generation:
             "api": self.api, "tenant": self.tenant, "status": status,
             "finish_reason": out.finish_reason if out else "abort", "prompt_tokens": seq.num_prompt,
             "cached_tokens": self.cached_tokens, "completion_tokens": len(seq.output_ids),
-            "cache_write_tokens": self.cache_write, "scope": seq.scope_kind,
+            "cache_write_tokens": self.cache_write, "scope": seq.scope_kind, "miss": self.miss,
             "ttft": round(out.ttft, 4) if out and out.ttft else None,
             "latency": round(time.monotonic() - self.start_time, 4),
         }))

@@ -56,12 +56,16 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, **kw)
         self.success = Counter("prefixcache:request_success", "Finished requests, by finish reason",
                                labelnames=["model_name", "finish_reason"], registry=self.registry)
+        self.misses = Counter("prefixcache:prefix_cache_misses", "Requests whose cached match stopped short, by cause",
+                              labelnames=["model_name", "cause"], registry=self.registry)
         self.requests = Counter("prefixcache:requests", "Completion requests answered, by API and HTTP status",
                                 labelnames=["model_name", "api", "status"], registry=self.registry)
 
     def finish(self, out: RequestOutput, token_times: list[float]) -> None:
         m = self.model_name
         self.success.labels(m, out.finish_reason).inc()
+        if out.miss_cause != "hit":
+            self.misses.labels(m, out.miss_cause).inc()
         if out.ttft is not None:
             self.ttft.labels(m).observe(out.ttft)
         if out.latency is not None:

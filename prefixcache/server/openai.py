@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.server.errors import ApiError, parse
 from prefixcache.server.generation import Generation
-from prefixcache.server.prompt import clean, render, system_text, tool_json
+from prefixcache.server.prompt import Prompt, clean, render, system_text, tool_json
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -80,7 +80,7 @@ class CompletionRequest(Common):
     prompt: str | list[int] | list[str] | list[list[int]]
 
 
-def chat_prompt(tokenizer, req: ChatRequest) -> list[int]:
+def chat_prompt(tokenizer, req: ChatRequest) -> Prompt:
     msgs = []
     for m in req.messages:
         content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or [])
@@ -91,7 +91,7 @@ def chat_prompt(tokenizer, req: ChatRequest) -> list[int]:
             msgs[0]["content"] = system_text(tools, msgs[0]["content"])
         else:
             msgs.insert(0, {"role": "system", "content": system_text(tools, None)})
-    return render(tokenizer, msgs).token_ids
+    return render(tokenizer, msgs)
 
 
 def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
@@ -117,9 +117,11 @@ async def complete(request: Request, model: type[Common], chat: bool):
     principal = server.auth(request)
     req = await parse(request, model)
     server.check_model(req.model)
-    prompt = chat_prompt(server.tokenizer, req) if chat else completion_prompt(server.tokenizer, req)
+    rendered = chat_prompt(server.tokenizer, req) if chat else None
+    prompt = rendered.token_ids if rendered else completion_prompt(server.tokenizer, req)
     params = req.sampling(server.engine.max_model_len)
-    gen = await server.generate(request, "openai", principal, prompt, params, req.salt)
+    gen = await server.generate(request, "openai", principal, prompt, params, req.salt,
+                                where=rendered.where if rendered else None)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     base = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": server.model_name}

@@ -17,6 +17,19 @@ MARK = "\ue000"  # a private-use character; stripped from client text before ren
 class Prompt:
     token_ids: list[int]
     marks: list[int]  # token position where each marked block ends, in order
+    token_starts: list[int]  # character where each token starts in the rendered text
+    message_spans: list[tuple[int, int]]  # character range of each message's content in the rendered text
+
+    def where(self, token: int) -> str:
+        """Where token `token` sits: 'message=k; offset=c' (k counts rendered messages, tools merged into the
+        system one), or 'at=template' for the chat template's own tokens."""
+        if token >= len(self.token_starts):
+            return "at=end"
+        char = self.token_starts[token]
+        for k, (start, end) in enumerate(self.message_spans):
+            if start <= char < end:
+                return f"message={k}; offset={char - start}"
+        return "at=template"
 
 
 def clean(text: str) -> str:
@@ -42,10 +55,17 @@ def render(tokenizer, messages: list[dict]) -> Prompt:
     for piece in pieces[:-1]:
         offset += len(piece)
         ends.append(offset)
-    enc = tokenizer("".join(pieces), add_special_tokens=False, return_offsets_mapping=True)
+    plain = "".join(pieces)
+    enc = tokenizer(plain, add_special_tokens=False, return_offsets_mapping=True)
     token_ends = [end for _, end in enc["offset_mapping"]]
     marks = [sum(1 for e in token_ends if e <= c) for c in ends]
-    return Prompt(enc["input_ids"], marks)
+    spans, cursor = [], 0
+    for m in messages:
+        content = clean(m["content"] or "")
+        start = plain.find(content, cursor)
+        spans.append((start, start + len(content)) if start >= 0 else (cursor, cursor))
+        cursor = max(cursor, spans[-1][1])
+    return Prompt(enc["input_ids"], marks, [start for start, _ in enc["offset_mapping"]], spans)
 
 
 def encode_system(tokenizer, text: str) -> list[int]:
