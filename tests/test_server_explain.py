@@ -11,7 +11,7 @@ def srv(tmp_path_factory):
 
 def chat(srv, system: str, key: str = "sk-acme", question: str = "Which rule applies?") -> dict[str, str]:
     r = httpx.post(f"{srv.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
-                   json={"model": "default", "max_tokens": 2, "temperature": 0,
+                   json={"model": "default", "max_tokens": 2, "temperature": 0, "cache_salt": "explain",
                          "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
     assert r.status_code == 200, r.text
     return prefix_header(r.headers)
