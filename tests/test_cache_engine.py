@@ -1,6 +1,5 @@
 """Prefix-cache behaviour through the engine: warm == cold, isolation, staleness, lifecycle, bounds."""
 import pytest
-import torch
 
 from conftest import GREEDY, generate_with_logits
 from prefixcache import LLM, Breakpoint, CacheScope, SamplingParams
