@@ -144,6 +144,7 @@ def test_tiny_budget_evicts_and_stays_correct(tiny_model):
     cold = LLM(model=tiny_model, enable_prefix_cache=False)
     tight = LLM(model=tiny_model, kv_cache_bytes=60 * block_bytes, max_num_seqs=4)
     prompts = [[i] + BASE[i * 7:i * 7 + 150] for i in range(10)]
+    prompts += [BASE[:90 + 13 * i] + [i] for i in range(6)]  # partial-block hits while eviction runs
     c_out = cold.generate(prompts, GREEDY)
     for _ in range(2):
         t_out = tight.generate(prompts, GREEDY)

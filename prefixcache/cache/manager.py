@@ -46,18 +46,20 @@ class CacheManager:
         if m is None or not all(n.alive for n in m.nodes + ([m.partial] if m.partial else [])):
             m = self.match(seq)  # an admission earlier in this step may have evicted part of the old match
         nodes = m.nodes if m else []
-        for n in nodes:
+        used = nodes + ([m.partial] if m and m.partial else [])
+        for n in used:  # locked first, so making room below cannot evict them
             self.pool.ref(n.block)
         needed = math.ceil(len(seq.tokens) / self.bs) - len(nodes)
         if not self._reserve(needed):
-            for n in nodes:
+            for n in used:
                 self.pool.unref(n.block)
             return False
         fresh = self.pool.allocate(needed)
         if m:
-            self.cache.touch(nodes + ([m.partial] if m.partial else []))
+            self.cache.touch(used)
         if m and m.partial:
             self.pool.copy(m.partial.block, fresh[0], m.partial_len)
+            self.pool.unref(m.partial.block)  # the copy is ours; the source was only held for the copy
         seq.block_table = [n.block for n in nodes] + fresh
         seq.nodes = list(nodes)
         seq.num_computed = len(m) if m else 0
