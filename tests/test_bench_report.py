@@ -26,7 +26,7 @@ def test_summary_by_hand():
     s = summarize(_run(), wall=4.0, prices=Prices(input=3.0, cached=0.3, output=15.0), server={"evictions": 2})
     assert (s["requests"], s["ok"], s["errors"]) == (4, 3, 1)
     assert s["hit_rate_tokens"] == pytest.approx(2400 / 4000)
-    assert s["hit_rate_requests"] == pytest.approx(2 / 3)
+    assert s["hit_rate_requests"] == pytest.approx((0 + 800 / 1000 + 1600 / 2000) / 3)
     assert s["saved_input_tokens"] == 2400
     # TTFTs sorted 0.2, 0.4, 1.0: p50 is the middle one; p90 sits at rank 1.8, p99 at rank 1.98
     assert s["ttft_p50_s"] == pytest.approx(0.4)

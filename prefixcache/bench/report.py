@@ -31,7 +31,8 @@ def request_cost(r: Result, prices: Prices) -> float:
 
 
 def summarize(results: list[Result], wall: float, prices: Prices, server: dict | None = None) -> dict:
-    """One run's figures. Hit rate per request: the share of successful requests with any cached token."""
+    """One run's figures. Hit rates: cached / prompt tokens summed over requests (token-weighted), and the mean of
+    each request's own cached / prompt ratio (per request, so short and long prompts count alike)."""
     ok = [r for r in results if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
@@ -40,7 +41,8 @@ def summarize(results: list[Result], wall: float, prices: Prices, server: dict |
     s = {"requests": len(results), "ok": len(ok), "errors": len(results) - len(ok),
          "prompt_tokens": prompt, "cached_tokens": cached, "output_tokens": sum(r.output_tokens for r in ok),
          "hit_rate_tokens": cached / prompt if prompt and reported else None,
-         "hit_rate_requests": sum(1 for r in ok if r.cached_tokens) / len(ok) if ok and reported else None,
+         "hit_rate_requests": sum((r.cached_tokens or 0) / r.prompt_tokens for r in ok if r.prompt_tokens) / len(ok)
+         if ok and reported else None,
          "saved_input_tokens": cached, "wall_s": wall,
          "req_per_s": len(ok) / wall if wall else None,
          "output_tok_per_s": sum(r.output_tokens for r in ok) / wall if wall else None,
@@ -57,7 +59,7 @@ ROWS = [("TTFT p50 (s)", "ttft_p50_s", 3), ("TTFT p90 (s)", "ttft_p90_s", 3), ("
         ("e2e p50 (s)", "e2e_p50_s", 3), ("e2e p90 (s)", "e2e_p90_s", 3), ("e2e p99 (s)", "e2e_p99_s", 3),
         ("inter-token p50 (ms)", "itl_p50_s", -1), ("inter-token p99 (ms)", "itl_p99_s", -1),
         ("throughput (req/s)", "req_per_s", 3), ("output (tok/s)", "output_tok_per_s", 1),
-        ("hit rate, tokens", "hit_rate_tokens", 3), ("hit rate, requests", "hit_rate_requests", 3),
+        ("hit rate, tokens", "hit_rate_tokens", 3), ("hit rate, mean per request", "hit_rate_requests", 3),
         ("saved input tokens", "saved_input_tokens", 0), ("prompt tokens", "prompt_tokens", 0),
         ("cost per successful task ($)", "cost_per_task_usd", 6), ("requests ok / errors", "ok", 0),
         ("peak KV usage (%)", "peak_kv_usage_perc", 1), ("evictions (blocks)", "evictions", 0),

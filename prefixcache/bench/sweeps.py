@@ -68,15 +68,16 @@ def arrival_rate(rates: list[float], size: Size, seed: int, bench: Bench) -> lis
 
 
 def memory_budget(fractions: list[float], size: Size, seed: int, bench: Bench) -> list[dict]:
-    """The multi-tenant workload with the KV budget set to a fraction of its working set: every tenant's prefix
-    once, plus each concurrent user's question and reply (live requests share the cached prefix blocks)."""
-    workload = multi_tenant(seed, size)
-    working_set = size.tenants * size.prefix_tokens + bench.load.users * (size.question_tokens + size.max_tokens + 32)
+    """The multi-tenant workload, 2 users, the KV budget a fraction of its working set: every tenant's prefix
+    once, plus each user's question and reply (live requests share the cached prefix blocks). Few users and
+    several requests per tenant, so that a tenant's prefix must survive the other tenants' requests to hit."""
+    workload, users = multi_tenant(seed, size), 2
+    working_set = size.tenants * size.prefix_tokens + users * (size.question_tokens + size.max_tokens + 32)
     points = []
     for f in fractions:
         gb = f * working_set * KV_BYTES_PER_TOKEN / 2**30
         srv = local(bench, prefix_cache=True, cache_memory_gb=round(gb, 4))
-        s, _ = measure(workload, Target("mem", srv.url, srv.keys), bench, f"{gb * 1024:.0f} MB", srv)
+        s, _ = measure(workload, Target("mem", srv.url, srv.keys), bench, f"{gb * 1024:.0f} MB", srv, Load(users=users))
         points.append({"fraction_of_working_set": f, "budget_mb": gb * 1024, "hit_rate_tokens": s["hit_rate_tokens"],
                        "ttft_p50_s": s["ttft_p50_s"], "evictions": s.get("evictions"), "errors": s["errors"]})
     return points
