@@ -55,7 +55,7 @@ def create_app(folder: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = ChatRequest(**await request.json())
-        ids = chat_prompt(tokenizer, req)
+        ids = chat_prompt(tokenizer, req).token_ids
         max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
         base = {"id": "chatcmpl-hf", "object": "chat.completion.chunk", "model": name}
 

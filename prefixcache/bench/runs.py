@@ -36,7 +36,7 @@ def measure(workload: Workload, target: Target, bench: Bench, label: str,
         if server:
             server.empty_cache()
         with progress() as bar:
-            task = bar.add_task(f"{workload.name} [{label}]", total=workload.num_requests)
+            task = bar.add_task(f"{workload.name} ({label})", total=workload.num_requests)
             async with MetricsPoller(target.url) as poller:
                 results, wall = await run(workload, target, load, lambda r: bar.advance(task))
         return results, wall, poller.summary()
