@@ -7,8 +7,7 @@ import time
 
 def test_quick_bench_writes_reports_and_plots(tmp_path):
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "prefixcache.cli", "bench", "--quick", "--out", str(tmp_path), "--requests", "4",
-           "--users", "4"]
+    cmd = [sys.executable, "-m", "prefixcache.cli", "bench", "--quick", "--out", str(tmp_path), "--users", "4"]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
     elapsed = time.monotonic() - t0
     folder = tmp_path / "quick"

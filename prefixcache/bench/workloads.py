@@ -61,7 +61,7 @@ class Size:
 
     @classmethod
     def quick(cls) -> "Size":
-        return cls(requests=6, prefix_tokens=320, question_tokens=16, max_tokens=8, turns=3, tenants=2)
+        return cls(requests=4, prefix_tokens=288, question_tokens=12, max_tokens=4, turns=2, tenants=2)
 
 
 def text(rng: random.Random, n: int) -> str:
