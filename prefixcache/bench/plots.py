@@ -80,7 +80,7 @@ def memory_budget(points: list[dict], path: str) -> str:
         ax.annotate(f"{p['evictions'] or 0:.0f} ev.", (p["budget_mb"], p["hit_rate_tokens"] or 0), fontsize=7,
                     textcoords="offset points", xytext=(0, 6))
     ax.set_title("multi-tenant workload: hit rate vs cache budget")
-    fig.legend(loc="lower right", fontsize=7)
+    ax.legend(handles=ax.lines + ax2.lines, loc="center right", fontsize=7)
     return _save(fig, path)
 
 
