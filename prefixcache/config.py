@@ -21,7 +21,7 @@ class Config:
     dtype: str = "float32"  # weights and activations
     kv_dtype: str = "bfloat16"  # KV storage; attention always reads it back, so warm == cold either way
     block_size: int = 16  # tokens per KV block
-    attn_tile: int = 256  # keys per attention tile; fixed so a token's math never depends on its batch
+    attn_tile: int = 512  # keys per attention tile; fixed so a token's math never depends on its batch
     kv_cache_bytes: int = 2 << 30  # one budget for live and cached KV
     max_num_seqs: int = 16  # sequences in flight
     max_batch_tokens: int = 512  # tokens per engine step (decode rows + prefill chunks)

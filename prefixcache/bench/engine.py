@@ -49,8 +49,8 @@ def side_ours() -> dict:
         prefill = _median(lambda: cold.generate(prompts, one), 1)
         total = _median(lambda: cold.generate(prompts, many), 2)
         r[f"decode_b{b}_tok_s"] = b * DECODE_TOKENS / (total - prefill)
+    r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # one engine, before the cache runs
     r.update(_cache_figures(cold))
-    r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return r
 
 
@@ -146,12 +146,6 @@ def side_hf() -> dict:
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     r = {"load_s": time.perf_counter() - t0}
-    if "--hf-gguf" in sys.argv:
-        path = default_model_path()
-        t0 = time.perf_counter()
-        AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                             dtype=torch.float32)
-        r["load_gguf_s"] = time.perf_counter() - t0
     with torch.inference_mode():
         for n in PREFILL_LENS:
             ids = torch.tensor([_tokens(n, n)])
@@ -167,7 +161,7 @@ def side_hf() -> dict:
 
 
 def _run_side(name: str, env: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-m", "prefixcache.bench.engine", "--side", name, "--hf-gguf"],
+    out = subprocess.run([sys.executable, "-m", "prefixcache.bench.engine", "--side", name],
                          capture_output=True, text=True, env={**os.environ, **(env or {})}, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -182,8 +176,6 @@ def report(ours: dict, hf: dict, loose: dict) -> str:
     for label, key, higher in rows:
         ratio = ours[key] / hf[key] if higher else hf[key] / ours[key]
         lines.append(f"| {label} | {ours[key]:.2f} | {hf[key]:.2f} | {ratio:.2f}x | {loose.get(key, 0):.2f} |")
-    if "load_gguf_s" in hf:
-        lines.append(f"| load via transformers' own GGUF path (s) | | {hf['load_gguf_s']:.2f} | | |")
     lines += ["", "## Prefix cache", "", "| figure | value |", "|---|---|"]
     for key in ("hit_4096_64_ttft_s", "miss_4096_64_ttft_s", "suffix_floor_64_on_4096_s", "hit_over_floor",
                 "miss_over_hit", "kv_bytes_per_token", "kv_dtype"):
@@ -198,7 +190,6 @@ def report(ours: dict, hf: dict, loose: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--side", choices=["ours", "hf"])
-    ap.add_argument("--hf-gguf", action="store_true")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     if args.side:

@@ -1,9 +1,9 @@
 """The Llama forward pass over the engine's block KV pool (RMSNorm, RoPE, GQA attention, SwiGLU).
 
 Every reduction has a fixed length, so a token's result is a function of its own inputs and its keys only:
-linears rely on MKL strict mode (row results independent of row count), attention walks keys in fixed
-tiles aligned to absolute positions with an online softmax. Chunking, batching and cache hits therefore
-give bit-identical results.
+linears rely on MKL strict mode (row results independent of row count); attention runs torch's fused CPU
+flash kernel on fixed tiles of keys aligned to absolute positions, and merges the tiles by their log-sum-exp
+in order. Chunking, batching and cache hits therefore give bit-identical results.
 """
 from dataclasses import dataclass
 
@@ -12,6 +12,9 @@ import torch.nn.functional as F
 
 from prefixcache.cache.pool import KVPool
 from prefixcache.models.loader import Weights
+
+MASKED = -1e30
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns the log-sum-exp per row too
 
 
 @dataclass
@@ -89,28 +92,26 @@ class Llama:
 
     def _attend(self, q: torch.Tensor, pool: KVPool, layer: int, g: AttnGroup) -> torch.Tensor:
         c = self.config
-        kvh, grp, d, bs = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim, pool.block_size
+        kvh, grp, d, bs, tile = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim, pool.block_size, self.tile
         # rows of one kv head: (group member, query) pairs, so GQA needs no repeated keys
         q = q.view(g.b, g.m, kvh, grp, d).permute(0, 2, 3, 1, 4).reshape(g.b, kvh, grp * g.m, d)
-        q = q * (d ** -0.5)
-        n_keys = g.block_tables.shape[1] * bs
         k = _gather(pool.k[layer], g.block_tables, bs)  # [b, kvh, n_keys, d] fp32
         v = _gather(pool.v[layer], g.block_tables, bs)
         qpos = g.q_pos.unsqueeze(1).expand(g.b, grp, g.m).reshape(g.b, 1, grp * g.m, 1)
-        n_tiles = min(n_keys, int(g.q_pos.max()) + 1 + self.tile - 1) // self.tile
-        m_i = torch.full((g.b, kvh, grp * g.m, 1), float("-inf"))
-        l_i = torch.zeros((g.b, kvh, grp * g.m, 1))
-        acc = torch.zeros((g.b, kvh, grp * g.m, d))
+        n_tiles = min(k.shape[2], int(g.q_pos.max()) + tile) // tile
         for t in range(n_tiles):
-            ks = slice(t * self.tile, (t + 1) * self.tile)
-            s = q @ k[:, :, ks].transpose(-1, -2)
-            key_pos = torch.arange(ks.start, ks.stop)
-            s.masked_fill_(key_pos > qpos, float("-inf"))
-            m_new = torch.maximum(m_i, s.amax(-1, keepdim=True))
-            p = torch.exp(s - m_new)
-            alpha = torch.exp(m_i - m_new)
-            l_i = l_i * alpha + p.sum(-1, keepdim=True)
-            acc = acc * alpha + p @ v[:, :, ks]
+            ks = slice(t * tile, (t + 1) * tile)
+            # a finite mask: a row that sees no key of this tile gets weight exp(-1e30) == 0, never NaN
+            mask = torch.zeros(1).masked_fill(torch.arange(ks.start, ks.stop) > qpos, MASKED)
+            out, lse = _flash(q, k[:, :, ks], v[:, :, ks], 0.0, False, attn_mask=mask, scale=d ** -0.5)
+            lse = lse.unsqueeze(-1)
+            if t == 0:
+                acc, m_i, l_i = out, lse, torch.ones_like(lse)
+                continue
+            m_new = torch.maximum(m_i, lse)
+            old, new = torch.exp(m_i - m_new), torch.exp(lse - m_new)
+            acc = acc * old + out * new
+            l_i = l_i * old + new
             m_i = m_new
         out = acc / l_i  # [b, kvh, grp*m, d]
         return out.view(g.b, kvh, grp, g.m, d).permute(0, 3, 1, 2, 4).reshape(g.b * g.m, c.num_heads, d)
