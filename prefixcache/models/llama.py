@@ -65,7 +65,7 @@ class Llama:
     def forward(self, batch: Batch, pool: KVPool) -> torch.Tensor:
         """Hidden states [N, hidden] after the final norm; writes every token's K/V into the pool."""
         c = self.config
-        x = self.embed[batch.input_ids]
+        x = F.embedding(batch.input_ids, self.embed)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for i, L in enumerate(self.layers):
@@ -119,7 +119,7 @@ class Llama:
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, bs: int) -> torch.Tensor:
     b, nb = block_tables.shape
-    blocks = cache.view(-1, bs, *cache.shape[1:])[block_tables.flatten()]  # [b*nb, bs, kvh, d]
+    blocks = torch.index_select(cache.view(-1, bs, *cache.shape[1:]), 0, block_tables.flatten())  # [b*nb, bs, kvh, d]
     blocks = blocks.view(b, nb * bs, *cache.shape[1:]).transpose(1, 2)
     return torch.empty(blocks.shape, dtype=torch.float32).copy_(blocks)
 
