@@ -1,4 +1,7 @@
 """KV storage: fixed-size blocks in one preallocated tensor pair, with reference counts and a byte budget."""
+import math
+
+import numpy as np
 import torch
 
 
@@ -12,8 +15,8 @@ class KVPool:
         self.num_blocks = budget_bytes // self.block_bytes
         assert self.num_blocks >= 2, f"KV budget {budget_bytes} B holds fewer than 2 blocks"
         shape = (num_layers, self.num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = _lazy_zeros(shape, dtype)
+        self.v = _lazy_zeros(shape, dtype)
         self.refs = [0] * self.num_blocks
         self.refs[0] = 1
         self.free: list[int] = list(range(self.num_blocks - 1, 0, -1))
@@ -48,3 +51,9 @@ class KVPool:
         bs = self.block_size
         for cache in (self.k, self.v):
             cache[:, dst * bs: dst * bs + n_tokens] = cache[:, src * bs: src * bs + n_tokens]
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros the OS commits only when first written (numpy's calloc), so RSS follows the KV in use. Zeros, not
+    garbage: attention multiplies masked keys by exactly 0, which a NaN bit pattern would poison."""
+    return torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)

@@ -12,20 +12,16 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from prefixcache.engine.sequence import Breakpoint, SamplingParams
-from prefixcache.server.errors import ApiError, parse
+from prefixcache.server.errors import ApiError, Extra, parse
 from prefixcache.server.generation import Generation
 from prefixcache.server.prompt import MARK, clean, render, system_text, tool_json
 
 MAX_BREAKPOINTS = 4
 
 router = APIRouter()
-
-
-class Extra(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
 class CacheControl(Extra):

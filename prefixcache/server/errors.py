@@ -1,9 +1,9 @@
-"""ApiError and its two renderings: OpenAI's and Anthropic's error bodies."""
+"""ApiError and its two renderings (OpenAI's and Anthropic's error bodies), and request-body parsing."""
 import json
 import re
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -11,6 +11,12 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
 OPENAI_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[|^[A-Z]")  # pydantic's loc entries for union members
+
+
+class Extra(BaseModel):
+    """Request models accept unknown fields: clients send extensions we do not use."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 class ApiError(Exception):

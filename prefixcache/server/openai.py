@@ -11,20 +11,16 @@ from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from prefixcache.engine.sequence import SamplingParams
-from prefixcache.server.errors import ApiError, parse
+from prefixcache.server.errors import ApiError, Extra, parse
 from prefixcache.server.generation import Generation
 from prefixcache.server.prompt import Prompt, clean, render, system_text, tool_json
 
 DEFAULT_MAX_TOKENS = 256
 
 router = APIRouter()
-
-
-class Extra(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
 class TextPart(Extra):
