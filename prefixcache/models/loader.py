@@ -158,6 +158,8 @@ def _load_hf_dir(path: str):
         hf = json.load(f)
     if hf.get("model_type") not in ARCHITECTURES:
         raise ValueError(f"unsupported model_type {hf.get('model_type')!r}; supported: {ARCHITECTURES}")
+    if hf.get("rope_scaling"):  # e.g. Llama 3.1's "llama3" scaling: refuse rather than compute wrong RoPE
+        raise ValueError(f"rope_scaling {hf['rope_scaling']!r} is not supported yet")
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {path}")
@@ -169,7 +171,9 @@ def _load_hf_dir(path: str):
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
         num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, rope_theta=float(hf.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(hf["rms_norm_eps"]), max_position=hf["max_position_embeddings"],
+        rms_norm_eps=float(hf["rms_norm_eps"]),
+        # full attention only: a sliding-window model is exact up to its window
+        max_position=min(hf["max_position_embeddings"], hf.get("sliding_window") or hf["max_position_embeddings"]),
         tie_embeddings="lm_head.weight" not in tensors,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors, eos_token_ids=_ids(hf.get("eos_token_id")),
     )
