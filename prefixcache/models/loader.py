@@ -173,7 +173,8 @@ def _load_hf_dir(path: str):
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, rope_theta=float(hf.get("rope_theta", 10000.0)),
         rms_norm_eps=float(hf["rms_norm_eps"]),
         # full attention only: a sliding-window model is exact up to its window
-        max_position=min(hf["max_position_embeddings"], hf.get("sliding_window") or hf["max_position_embeddings"]),
+        max_position=min(hf["max_position_embeddings"],
+                         hf.get("use_sliding_window", True) and hf.get("sliding_window") or hf["max_position_embeddings"]),
         tie_embeddings="lm_head.weight" not in tensors,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors, eos_token_ids=_ids(hf.get("eos_token_id")),
     )
