@@ -154,6 +154,17 @@ def test_tiny_budget_evicts_and_stays_correct(tiny_model):
     assert sum(stats["evictions"].values()) > 0
 
 
+def test_a_request_pinned_entries_leave_no_room_for_is_refused(tiny_model):
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 2
+    llm = LLM(model=tiny_model, kv_cache_bytes=21 * block_bytes)  # 20 usable blocks
+    llm.generate([BASE[:112]], GREEDY)
+    assert llm.pin(BASE[:112]) == 112  # 7 blocks that eviction may never take
+    with pytest.raises(ValueError, match="pinned"):  # it could never be admitted: refused, not left waiting
+        llm.generate([BASE[:250]], GREEDY)
+    llm.pin(BASE[:112], pinned=False)
+    assert llm.generate([BASE[:250]], GREEDY)[0].finish_reason in ("stop", "length")
+
+
 def test_cache_off_never_hits(tiny_model):
     llm = LLM(model=tiny_model, enable_prefix_cache=False)
     llm.generate([BASE[:100]], GREEDY)

@@ -58,6 +58,7 @@ class PrefixCache:
         self.roots: dict[bytes, Node] = {}
         self.nodes: dict[bytes, Node] = {}
         self.evictions: Counter[str] = Counter()
+        self.num_pinned = 0  # blocks that eviction may never take
         self.contents: Counter[bytes] = Counter()  # scope-free keys of live full blocks
         self.gone: OrderedDict[bytes, str] = OrderedDict()  # recently removed keys -> reason, for miss answers
 
@@ -159,6 +160,7 @@ class PrefixCache:
 
     def pin(self, nodes: list[Node], pinned: bool = True) -> None:
         for n in nodes:
+            self.num_pinned += pinned - n.pinned
             n.pinned = pinned
 
     @property
@@ -179,6 +181,7 @@ class PrefixCache:
     def _remove(self, node: Node, reason: str) -> int:
         assert not node.children and node.alive
         node.alive = False
+        self.num_pinned -= node.pinned
         del node.parent.children[node.key]
         del self.nodes[node.key]
         if not node.parent.children and node.parent.parent is None:

@@ -53,8 +53,9 @@ class Engine:
             if not 0 < b.position <= len(prompt):
                 raise ValueError(f"breakpoint at {b.position} is outside the prompt (1..{len(prompt)})")
         needed = -(-(len(prompt) + 1) // self.config.block_size)
-        if needed > self.pool.usable_blocks:
-            raise ValueError(f"prompt needs {needed} KV blocks; the budget holds {self.pool.usable_blocks}")
+        room = self.pool.usable_blocks - (self.manager.cache.num_pinned if self.manager.cache else 0)
+        if needed > room:  # it could never be admitted: waiting would hang
+            raise ValueError(f"prompt needs {needed} KV blocks; the budget leaves {room} (pinned entries excluded)")
         seq = Sequence(prompt, params, self.scope(scope), list(breakpoints), priority)
         self.scheduler.add(seq)
         return seq
