@@ -36,7 +36,7 @@ class CacheManager:
         if self.cache is None:
             return None
         scopes = [self._scope(seq, (j + 1) * self.bs) for j in range(len(seq.keys))]
-        partial_scopes = (seq.scope.key, seq.scope.shared().key) if seq.shared_len else (seq.scope.key,)
+        partial_scopes = (seq.scope.key, seq.scope.shared.key) if seq.shared_len else (seq.scope.key,)
         return self.cache.match(seq.tokens, seq.keys, scopes, partial_scopes,
                                 len(seq.tokens) - 1 if limit is None else limit)
 
@@ -173,7 +173,7 @@ class CacheManager:
 
     def _scope(self, seq: Sequence, end: int) -> bytes:
         """A block or partial ending at token `end` is shared only if it lies inside a declared shared prefix."""
-        return seq.scope.shared().key if end <= seq.shared_len else seq.scope.key
+        return seq.scope.shared.key if end <= seq.shared_len else seq.scope.key
 
     def _publish_limit(self, seq: Sequence) -> int:
         if seq.breakpoints:

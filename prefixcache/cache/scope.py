@@ -26,6 +26,7 @@ class CacheScope:
                   self.salt)
         return xxhash.xxh3_128_digest("\x1f".join(f"{len(f)}:{f}" for f in fields).encode())
 
+    @cached_property
     def shared(self) -> "CacheScope":
         """The operator-declared scope shared across tenants, labels and salts (never across weights)."""
         return replace(self, tenant=SHARED_TENANT, labels=(), salt="")
