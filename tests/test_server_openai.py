@@ -198,3 +198,6 @@ def test_one_json_log_line_per_request(srv, caplog):
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefixcache.request"]
     assert [line["status"] for line in lines] == [200, 400]
     assert lines[0]["tenant"] == "acme" and lines[0]["prompt_tokens"] > 0 and lines[0]["completion_tokens"] > 0
+    # what earlier tests cached decides the cause; the fields must be there and consistent with the header's words
+    assert lines[0]["miss"] in ("cold", "diverged", "scope", "evicted", "expired", "below_min_length")
+    assert lines[0]["miss_at"].startswith(("message=", "at="))

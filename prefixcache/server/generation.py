@@ -52,17 +52,17 @@ class Generation:
         return self.output.cache_write_tokens if self.output else dict(self.handle.seq.cache_write)
 
     @property
-    def miss(self) -> str:
-        """Why the cached match stopped where it did, and (for chats) where in the request that is."""
-        cause = self.handle.seq.miss_cause
-        if cause in ("hit", "disabled") or self.where is None:
-            return f"miss={cause}"
-        return f"miss={cause}; {self.where(self.cached_tokens)}"
+    def miss_at(self) -> str | None:
+        """Where in the request (message and offset, for chats) the cached match stopped; None on a full hit."""
+        if self.handle.seq.miss_cause in ("hit", "disabled") or self.where is None:
+            return None
+        return self.where(self.cached_tokens)
 
     def header(self) -> dict[str, str]:
         seq = self.handle.seq
+        at = f"; {self.miss_at}" if self.miss_at else ""
         return {"x-prefix-cache": f"cached={self.cached_tokens}; prompt={seq.num_prompt}; scope={seq.scope_kind}; "
-                                  f"{self.miss}"}
+                                  f"miss={seq.miss_cause}{at}"}
 
     async def deltas(self):
         """New output text, held back while it may be the start of a stop string or an incomplete character."""
@@ -103,7 +103,8 @@ class Generation:
             "api": self.api, "tenant": self.tenant, "status": status,
             "finish_reason": out.finish_reason if out else "abort", "prompt_tokens": seq.num_prompt,
             "cached_tokens": self.cached_tokens, "completion_tokens": len(seq.output_ids),
-            "cache_write_tokens": self.cache_write, "scope": seq.scope_kind, "miss": self.miss,
+            "cache_write_tokens": self.cache_write, "scope": seq.scope_kind, "miss": seq.miss_cause,
+            "miss_at": self.miss_at,
             "ttft": round(out.ttft, 4) if out and out.ttft else None,
             "latency": round(time.monotonic() - self.start_time, 4),
         }))
