@@ -33,7 +33,8 @@ def cmd_serve(args) -> None:
 
     cfg = ServeConfig(model=args.model, api_keys=args.api_keys, prefix_cache=not args.no_prefix_cache,
                       cache_memory_gb=args.cache_memory_gb, shared_prefixes=args.shared_prefixes,
-                      min_cache_tokens=args.min_cache_tokens, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs)
+                      min_cache_tokens=args.min_cache_tokens, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
+                      log_cross_scope_misses=args.log_cross_scope_misses)
     if args.host not in ("127.0.0.1", "localhost") and not args.api_keys:
         print(f"prefixcache: warning: serving {args.host} without --api-keys: anyone who can reach it is admin",
               file=sys.stderr)
@@ -93,6 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-cache-tokens", type=int, default=1024, help="shorter prefixes are never cached")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 / 529")
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
+    p.add_argument("--log-cross-scope-misses", action="store_true",
+                   help="flag in the server log the misses whose next block another scope holds (never shown to "
+                        "tenants)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("lint", help="lint prompt templates and logged requests for prefix-cache killers")

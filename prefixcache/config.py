@@ -30,6 +30,7 @@ class Config:
     min_cache_tokens: int = 0  # prefixes shorter than this are never written to the cache
     default_ttl: float | None = None  # seconds; None keeps automatic entries until evicted
     shared_prefixes: list[list[int]] = field(default_factory=list)  # token prefixes shared by all tenants
+    log_cross_scope_misses: bool = False  # operator log: flag misses whose next block another scope holds
     fairness_steps: int = 32  # a waiting request is admitted first once it has been passed over this often
     num_threads: int = 0  # 0: torch's default
 

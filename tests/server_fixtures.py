@@ -63,6 +63,15 @@ def main_server(tmp_path_factory) -> Running:
                                       cache_memory_gb=0.25, min_cache_tokens=MIN_CACHE_TOKENS))
 
 
+def tenants_server(tmp_path_factory, name: str, log_cross_scope_misses: bool = False) -> Running:
+    """Two tenants (sk-a, sk-b) and an admin, nothing shared: for cross-tenant observation tests."""
+    d = tmp_path_factory.mktemp(name)
+    (d / "keys.json").write_text(json.dumps({"sk-a": {"tenant": "a"}, "sk-b": {"tenant": "b"},
+                                             "sk-admin": {"tenant": "ops", "admin": True}}))
+    return _start(name, ServeConfig(api_keys=str(d / "keys.json"), cache_memory_gb=0.25,
+                                    min_cache_tokens=MIN_CACHE_TOKENS, log_cross_scope_misses=log_cross_scope_misses))
+
+
 def nocache_server() -> Running:
     """Prefix cache off, no auth, one running request and one waiting: easy to fill up."""
     return _start("nocache", ServeConfig(prefix_cache=False, cache_memory_gb=0.1, min_cache_tokens=0, max_queue=1,
@@ -75,11 +84,14 @@ def long_system(tag: str, n: int = 10) -> str:
                                   for i in range(n))
 
 
-def metrics(url: str) -> dict[tuple, float]:
-    """Samples of /metrics keyed by (name, sorted label items without model_name)."""
+def metrics(url: str, key: str = "sk-admin") -> dict[tuple, float]:
+    """Samples of /metrics (read with an admin key: tenants may not) keyed by (name, sorted label items without
+    model_name)."""
     import httpx
 
-    text = httpx.get(f"{url}/metrics").text
+    r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    text = r.text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

@@ -235,10 +235,27 @@ def test_miss_causes(tiny_model):
     assert llm.generate([doc], GREEDY)[0].miss_cause == "cold"
     assert llm.generate([doc], GREEDY)[0].miss_cause == "hit"
     assert llm.generate([doc[:100] + [1, 2, 3]], GREEDY)[0].miss_cause == "diverged"
-    assert llm.generate([doc], GREEDY, scope=CacheScope(tenant="other"))[0].miss_cause == "scope"
+    assert llm.generate([doc], GREEDY, scope=CacheScope(tenant="other"))[0].miss_cause == "cold"  # not "scope"
     assert llm.generate([BASE[200:230]], GREEDY)[0].miss_cause == "below_min_length"
     llm.generate([BASE[300:380]], GREEDY, breakpoints=[Breakpoint(64, "5m")])
     now[0] += 301
     assert llm.generate([BASE[300:380]], GREEDY)[0].miss_cause == "expired"
     llm.engine.clear_cache()
     assert llm.generate([doc], GREEDY)[0].miss_cause == "evicted"
+
+
+def test_cross_scope_misses_are_flagged_for_the_operator_only(tiny_model):
+    llm = LLM(model=tiny_model, log_cross_scope_misses=True)
+    doc = BASE[:120]
+    llm.generate([doc], GREEDY, scope=CacheScope(tenant="owner"))
+
+    def run(prompt: list[int]):
+        seq = llm.engine.add_request(prompt, GREEDY, CacheScope(tenant="prober"))
+        while seq.finish_reason is None:
+            llm.engine.step()
+        return seq
+
+    held, fresh = run(doc), run(BASE[200:320])
+    assert (held.miss_cause, held.cross_scope_miss) == ("cold", True)
+    assert (fresh.miss_cause, fresh.cross_scope_miss) == ("cold", False)
+    assert run(doc).miss_cause == "hit"  # the prober's own copy now

@@ -6,7 +6,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from prefixcache.bench.driver import Load, Result, Target, run
 from prefixcache.bench.report import Prices, summarize
-from prefixcache.bench.server import LocalServer, MetricsPoller, ServerOptions, Servers
+from prefixcache.bench.server import ADMIN_KEY, LocalServer, MetricsPoller, ServerOptions, Servers
 from prefixcache.bench.workloads import Session, Turn, Workload
 
 WARMUP = Workload("warmup", [Session([Turn([{"role": "user", "content": "Say hello."}], 2)])])
@@ -37,7 +37,8 @@ def measure(workload: Workload, target: Target, bench: Bench, label: str,
             server.empty_cache()
         with progress() as bar:
             task = bar.add_task(f"{workload.name} ({label})", total=workload.num_requests)
-            async with MetricsPoller(target.url) as poller:
+            auth = {"Authorization": f"Bearer {ADMIN_KEY}"} if server else {}  # /metrics is for admins
+            async with MetricsPoller(target.url, auth) as poller:
                 results, wall = await run(workload, target, load, lambda r: bar.advance(task))
         return results, wall, poller.summary()
 

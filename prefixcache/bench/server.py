@@ -143,8 +143,8 @@ def scrape(text: str) -> dict | None:
 class MetricsPoller:
     """Polls /metrics during a run: peak KV usage, and evictions / cache hits as differences from the start."""
 
-    def __init__(self, url: str, interval: float = 0.5):
-        self.url, self.interval = url, interval
+    def __init__(self, url: str, headers: dict[str, str], interval: float = 0.5):
+        self.url, self.headers, self.interval = url, headers, interval
         self.first: dict | None = None
         self.last: dict | None = None
         self.peak_usage = 0.0
@@ -152,7 +152,7 @@ class MetricsPoller:
 
     async def _poll(self, client: httpx.AsyncClient) -> None:
         try:
-            r = await client.get(f"{self.url}/metrics", timeout=5)
+            r = await client.get(f"{self.url}/metrics", headers=self.headers, timeout=5)
         except httpx.HTTPError:
             return
         if r.status_code != 200:

@@ -10,7 +10,7 @@ from prefixcache.engine.sequence import TTL_SECONDS, Sequence
 
 class CacheManager:
     def __init__(self, pool: KVPool, enabled: bool, min_cache_tokens: int, default_ttl: float | None,
-                 shared_prefixes: list[list[int]]):
+                 shared_prefixes: list[list[int]], log_cross_scope_misses: bool = False):
         self.pool = pool
         self.bs = pool.block_size
         self.cache = PrefixCache(pool) if enabled else None
@@ -18,6 +18,7 @@ class CacheManager:
         self.default_ttl = default_ttl
         self.shared_prefixes = sorted((tuple(p) for p in shared_prefixes if p), key=len, reverse=True)
         self.scopes: dict = {}  # scope key -> CacheScope, for scopes that published (tenant purges)
+        self.log_cross_scope_misses = log_cross_scope_misses  # operator-only: see _holds_elsewhere
         self.query_tokens = 0
         self.hit_tokens = 0
 
@@ -71,6 +72,8 @@ class CacheManager:
                 shared = self.cache and any(n.scope != seq.scope.key for n in nodes + [m.partial] if n)
                 seq.scope_kind = "shared" if shared else "own"
             seq.miss_cause = self._miss_cause(seq, m)
+            if self.log_cross_scope_misses and seq.miss_cause not in ("hit", "disabled"):
+                seq.cross_scope_miss = self._holds_elsewhere(seq, m)
         return True
 
     def grow(self, seq: Sequence, n_tokens: int) -> bool:
@@ -147,7 +150,9 @@ class CacheManager:
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _miss_cause(self, seq: Sequence, m) -> str:
-        """Why the cached match stopped where it did (at token len(m))."""
+        """Why the cached match stopped where it did (at token len(m)). The tenant sees this answer, so it may
+        depend only on the scopes the request can read (its own and the shared one): every key looked up here
+        is chained from one of those scopes, never from another tenant's."""
         if self.cache is None:
             return "disabled"
         if len(m) == len(seq.tokens) - 1:
@@ -159,12 +164,18 @@ class CacheManager:
                 return "expired"
             if seq.keys[j] in self.cache.gone:
                 return {"ttl": "expired"}.get(self.cache.gone[seq.keys[j]], "evicted")
-            content = chain_keys(seq.tokens[:(j + 1) * self.bs], [b""] * (j + 1), self.bs)[j]
-            if content in self.cache.contents:
-                return "scope"
         if self._publish_limit(seq) == 0:
             return "below_min_length"
         return "diverged" if len(m) else "cold"
+
+    def _holds_elsewhere(self, seq: Sequence, m) -> bool:
+        """True if some scope (any tenant's) holds the block where this request's match stopped. For the
+        operator's log only: telling the tenant would reveal what another tenant has cached."""
+        j = len(m.nodes)
+        if j >= len(seq.keys):
+            return False
+        content = chain_keys(seq.tokens[:(j + 1) * self.bs], [b""] * (j + 1), self.bs)[j]
+        return content in self.cache.contents
 
     def _reserve(self, n: int) -> bool:
         if n > self.pool.num_free and self.cache is not None:

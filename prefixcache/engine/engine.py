@@ -34,7 +34,7 @@ class Engine:
         self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, config.kv_cache_bytes,
                            getattr(torch, config.kv_dtype))
         self.manager = CacheManager(self.pool, config.enable_prefix_cache, config.min_cache_tokens,
-                                    config.default_ttl, config.shared_prefixes)
+                                    config.default_ttl, config.shared_prefixes, config.log_cross_scope_misses)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps)
         self.runner = ModelRunner(Llama(weights, config.attn_tile), self.pool)
         self.sampler = Sampler()

@@ -54,8 +54,8 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens whose prefill was skipped
     cache_write_tokens: dict[str, int]  # prompt tokens newly written to the cache, by TTL ("5m", "1h", "auto")
     scope_kind: str  # "own", "shared" or "none": where the matched prefix came from
-    miss_cause: str  # why the match stopped at cached_tokens: hit, diverged, scope, evicted, expired,
-    # below_min_length, cold (nothing cached), disabled
+    miss_cause: str  # why the match stopped at cached_tokens, judged only from scopes the request may read:
+    # hit, diverged, evicted, expired, below_min_length, cold (nothing cached), disabled
     ttft: float | None  # seconds from arrival to first token
     latency: float | None
 
@@ -91,6 +91,7 @@ class Sequence:
         self.write_counted = 0  # prompt position up to which cache writes were counted
         self.scope_kind = "none"
         self.miss_cause = "cold"
+        self.cross_scope_miss = False  # another scope holds the block where the match stopped (operator log only)
         self.skipped = 0  # admission rounds this request was passed over
         self.finish_reason: str | None = None
         self.text = ""

@@ -41,11 +41,13 @@ class ServeConfig:
     min_cache_tokens: int = 1024
     max_queue: int = 64  # waiting requests beyond the running batch; past it, 429 / 529
     max_num_seqs: int = 16
+    log_cross_scope_misses: bool = False  # operator log only (see Config)
 
 
 def load_engine(cfg: ServeConfig) -> Engine:
     config = Config(model=cfg.model, enable_prefix_cache=cfg.prefix_cache, kv_cache_bytes=int(cfg.cache_memory_gb * 2**30),
-                    min_cache_tokens=cfg.min_cache_tokens, max_num_seqs=cfg.max_num_seqs)
+                    min_cache_tokens=cfg.min_cache_tokens, max_num_seqs=cfg.max_num_seqs,
+                    log_cross_scope_misses=cfg.log_cross_scope_misses)
     if cfg.shared_prefixes:
         # the prefixes are token ids, so the tokenizer is needed before the engine exists
         from transformers import AutoTokenizer
@@ -131,7 +133,11 @@ def create_app(cfg: ServeConfig) -> FastAPI:
                                             "owned_by": "prefixcache"}]}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        """Server-wide figures move with every tenant's requests (hits, misses by cause, KV usage, evictions),
+        so with API keys only an admin key may read them."""
+        if not server.auth(request).admin:
+            raise ApiError(403, "/metrics needs an admin key", code="permission_denied")
         stats = await server.worker.call(lambda e: e.stats())
         return Response(server.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 

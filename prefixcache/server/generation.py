@@ -99,7 +99,7 @@ class Generation:
             return
         m.status(self.api, status)
         seq = self.handle.seq
-        log.info(json.dumps({
+        line = {
             "api": self.api, "tenant": self.tenant, "status": status,
             "finish_reason": out.finish_reason if out else "abort", "prompt_tokens": seq.num_prompt,
             "cached_tokens": self.cached_tokens, "completion_tokens": len(seq.output_ids),
@@ -107,7 +107,10 @@ class Generation:
             "miss_at": self.miss_at,
             "ttft": round(out.ttft, 4) if out and out.ttft else None,
             "latency": round(time.monotonic() - self.start_time, 4),
-        }))
+        }
+        if self.server.cfg.log_cross_scope_misses:
+            line["cross_scope_miss"] = seq.cross_scope_miss
+        log.info(json.dumps(line))
 
     async def _next(self) -> Update:
         u = await self.handle.updates.get()

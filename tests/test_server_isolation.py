@@ -1,0 +1,112 @@
+"""No channel a tenant can read tells it what another tenant has cached.
+
+Tenant a sends the same requests to two identical servers; on one of them tenant b has first cached every
+prompt a will send. Everything a can observe must be byte-identical on both (apart from ids, timestamps and
+timing): status, every header (x-prefix-cache included), bodies and usage, every stream event, the cache purge
+answer and /metrics. The primed server logs cross-scope misses for its operator, which must stay in its log.
+"""
+import json
+import logging
+import re
+import time
+
+import httpx
+import pytest
+from server_fixtures import long_system, tenants_server
+
+VOLATILE = re.compile(r'"(id|created)": ?("[^"]*"|\d+)')
+QUESTION = [{"role": "user", "content": "Which rule covers refunds?"}]
+
+
+def _requests() -> list[tuple[str, dict]]:
+    """(path, body) for each API and streaming mode, each with a prompt and a salt (so a scope) of its own."""
+    def chat(tag: str, stream: bool) -> dict:
+        return {"model": "default", "max_tokens": 4, "temperature": 0, "stream": stream, "cache_salt": tag,
+                "stream_options": {"include_usage": True} if stream else None,
+                "messages": [{"role": "system", "content": long_system(tag)}, *QUESTION]}
+
+    def messages(tag: str, stream: bool) -> dict:
+        return {"model": "default", "max_tokens": 4, "temperature": 0, "stream": stream, "cache_salt": tag,
+                "messages": QUESTION,
+                "system": [{"type": "text", "text": long_system(tag), "cache_control": {"type": "ephemeral"}}]}
+
+    return [("/v1/chat/completions", chat("iso-chat", False)),
+            ("/v1/chat/completions", chat("iso-chat-stream", True)),
+            ("/v1/completions", {"model": "default", "max_tokens": 4, "temperature": 0, "cache_salt": "iso-completion",
+                                 "prompt": long_system("iso-completion")}),
+            ("/v1/messages", messages("iso-messages", False)),
+            ("/v1/messages", messages("iso-messages-stream", True))]
+
+
+def _send(url: str, key: str, path: str, body: dict) -> tuple:
+    """What the caller can observe of one request, with ids and timestamps masked."""
+    r = httpx.post(url + path, json=body, timeout=120, headers={"Authorization": f"Bearer {key}"})
+    headers = sorted((k, v) for k, v in r.headers.items() if k != "date")
+    return r.status_code, headers, VOLATILE.sub(r'"\1": "*"', r.text)
+
+
+def _observe(url: str, key: str) -> list:
+    seen = [_send(url, key, path, body) for path, body in _requests()]
+    for method, path in (("GET", "/metrics"), ("GET", "/v1/models"), ("DELETE", "/v1/cache")):
+        r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        seen.append((method, path, r.status_code, r.text))
+    return seen
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[dict] = []
+
+    def emit(self, record):
+        line = json.loads(record.getMessage())
+        if line.get("tenant") == "a":
+            self.lines.append({k: v for k, v in line.items() if k not in ("ttft", "latency")})
+
+
+def _observe_with_log(url: str, key: str) -> tuple[list, list[dict]]:
+    handler = Lines()
+    logger = logging.getLogger("prefixcache.request")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        seen = _observe(url, key)
+        deadline = time.monotonic() + 30  # a stream's line is written when its generator closes
+        while len(handler.lines) < len(_requests()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        logger.removeHandler(handler)
+    return seen, handler.lines
+
+
+@pytest.fixture(scope="module")
+def observations(tmp_path_factory):
+    clean = tenants_server(tmp_path_factory, "iso-clean")
+    primed = tenants_server(tmp_path_factory, "iso-primed", log_cross_scope_misses=True)
+    for path, body in _requests():
+        assert _send(primed.url, "sk-b", path, body)[0] == 200
+    return _observe_with_log(clean.url, "sk-a"), _observe_with_log(primed.url, "sk-a")
+
+
+def test_tenant_sees_the_same_whether_or_not_another_tenant_cached_its_prompts(observations):
+    (clean, _), (primed, _) = observations
+    for a, b in zip(clean, primed):
+        assert a == b
+    assert len(clean) == len(primed) == len(_requests()) + 3
+
+
+def test_the_observations_are_the_cold_ones(observations):
+    (clean, _), _ = observations
+    for status, headers, _ in clean[:len(_requests())]:
+        assert status == 200
+        assert "miss=cold" in dict(headers)["x-prefix-cache"]
+    metrics, models, purge = clean[len(_requests()):]
+    assert metrics[2] == 403 and models[2] == 200 and purge[2] == 200
+
+
+def test_cross_scope_misses_reach_only_the_operator_log(observations):
+    (_, clean_log), (_, primed_log) = observations
+    assert len(clean_log) == len(primed_log) == len(_requests())
+    assert all("cross_scope_miss" not in line for line in clean_log)
+    assert [line.pop("cross_scope_miss") for line in primed_log] == [True] * len(_requests())
+    assert clean_log == primed_log
