@@ -78,6 +78,31 @@ def nocache_server() -> Running:
                                          max_num_seqs=1))
 
 
+class Pause:
+    """Holds the server's engine thread between two steps (a closure in its inbox), so a test decides when
+    requests progress instead of racing them. Reading engine state from the test thread is safe while held."""
+
+    def __init__(self, running: Running):
+        self.entered, self.go = threading.Event(), threading.Event()
+        running.server.worker.inbox.put(lambda: (self.entered.set(), self.go.wait()))
+
+    def held(self) -> "Pause":
+        """Wait until the engine thread has reached this pause."""
+        assert self.entered.wait(60), "the engine thread did not reach the pause"
+        return self
+
+    def release(self) -> None:
+        self.go.set()
+
+
+def until(condition, timeout: float = 30) -> None:
+    """Poll a condition that the server is bound to reach; fail if it does not within the timeout."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
 def long_system(tag: str, n: int = 10) -> str:
     """A system prompt of ~21 tokens per rule that starts with `tag`, so no earlier test shares its first block."""
     return f"[{tag}] " + " ".join(f"Rule {i}: when asked about {tag}, answer in plain words and stay on topic."

@@ -5,7 +5,7 @@ import time
 
 import httpx
 import pytest
-from server_fixtures import long_system, main_server, metrics, nocache_server
+from server_fixtures import Pause, long_system, main_server, metrics, nocache_server, until
 
 ACME = {"Authorization": "Bearer sk-acme"}
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -130,17 +130,20 @@ def wait_for(url: str, name: str, value: float, timeout: float = 30) -> dict:
 
 def test_over_capacity_gets_429_or_529_and_the_queue_drains():
     srv = nocache_server()  # one running request and one waiting, at most
+    worker = srv.server.worker
     long_chat = {**CHAT, "messages": [{"role": "user", "content": long_system("capacity", 4)}], "max_tokens": 200}
     waiting = {}
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json={**long_chat, "stream": True}) as running:
             assert running.status_code == 200
+            pause = Pause(srv).held()  # `running` cannot finish while the engine is held
             t = threading.Thread(target=lambda: waiting.update(r=c.post("/v1/chat/completions", json=CHAT)))
             t.start()
-            wait_for(srv.url, "prefixcache:num_requests_waiting", 1)
+            until(lambda: worker.in_flight == 2)
             err = openai_error(c.post("/v1/chat/completions", json=CHAT), 429)
             assert err["type"] == "rate_limit_error"
             anthropic_error(c.post("/v1/messages", json=MESSAGES), 529, "overloaded_error")
+            pause.release()
         t.join()  # closing the stream aborted the first request, so the waiting one ran
     assert waiting["r"].status_code == 200
     assert httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
@@ -148,6 +151,7 @@ def test_over_capacity_gets_429_or_529_and_the_queue_drains():
 
 def test_stream_disconnect_aborts_and_frees_blocks():
     srv = nocache_server()
+    pool = srv.server.engine.pool
     before = metrics(srv.url)
     body = {**CHAT, "messages": [{"role": "user", "content": long_system("disconnect", 4)}], "max_tokens": 400,
             "stream": True}
@@ -155,7 +159,10 @@ def test_stream_disconnect_aborts_and_frees_blocks():
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-            assert metrics(srv.url)[("prefixcache:kv_cache_usage_perc", ())] > 0
+            pause = Pause(srv).held()
+            assert pool.num_free < pool.usable_blocks  # the request holds its blocks, and cannot finish now
+        until(lambda: srv.server.worker.in_flight == 0)  # the server saw the disconnect and queued the abort
+        pause.release()
     after = wait_for(srv.url, "prefixcache:kv_cache_usage_perc", 0)
     key = ("prefixcache:request_success_total", (("finish_reason", "abort"),))
     assert after[key] - before.get(key, 0) == 1
@@ -164,16 +171,22 @@ def test_stream_disconnect_aborts_and_frees_blocks():
 
 def test_a_client_that_hangs_up_while_queued_is_dropped():
     srv = nocache_server()
+    worker, scheduler = srv.server.worker, srv.server.engine.scheduler
     body = {**CHAT, "messages": [{"role": "user", "content": long_system("queued", 4)}], "max_tokens": 400,
             "stream": True}
     before = metrics(srv.url)
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as running:
             assert running.status_code == 200
-            with pytest.raises(httpx.ReadTimeout):  # queued behind `running`: no headers yet, so we give up
+            first = Pause(srv).held()
+            with pytest.raises(httpx.ReadTimeout):  # the engine is held: no first token, so no headers
                 httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=1.5)
-            wait_for(srv.url, "prefixcache:num_requests_waiting", 0, timeout=5)  # `running` needs > 20 s more
-            assert metrics(srv.url)[("prefixcache:num_requests_running", ())] == 1
+            until(lambda: worker.in_flight == 1)  # the server saw the hang-up and queued the abort
+            second = Pause(srv)  # behind the queued request's add and abort in the engine's inbox
+            first.release()
+            second.held()
+            assert not scheduler.waiting and len(scheduler.running) == 1
+            second.release()
     after = wait_for(srv.url, "prefixcache:num_requests_running", 0)
     key = ("prefixcache:request_success_total", (("finish_reason", "abort"),))
     assert after[key] - before.get(key, 0) == 2
