@@ -13,11 +13,11 @@ def client(srv, key="sk-acme") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=srv.url, api_key=key, max_retries=0)
 
 
-def create(srv, **kw):
+def create(srv, key: str = "sk-acme", **kw):
     """A greedy message; returns (message, prompt length from the x-prefix-cache header)."""
     kw = {"model": "default", "max_tokens": 8, "extra_body": {"temperature": 0},  # this client has no temperature
           "messages": [{"role": "user", "content": "What should I do?"}], **kw}
-    raw = client(srv).messages.with_raw_response.create(**kw)
+    raw = client(srv, key).messages.with_raw_response.create(**kw)
     msg = raw.parse()
     u = msg.usage
     prompt = int(prefix_header(raw.headers)["prompt"])
@@ -48,6 +48,22 @@ def test_breakpoint_writes_then_reads(srv):
 TOOLS = [{"name": "lookup", "description": long_system("anthropic-tools", 12),
           "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}},
           "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+
+
+def test_the_api_key_decides_the_scope_whatever_salt_the_client_sends(srv):
+    """x-api-key names the tenant; cache_salt and prompt_cache_key only narrow it, so copying another tenant's
+    salt and key reads nothing of theirs."""
+    system = [cached(long_system("anthropic-isolation"))]
+    salt = {"temperature": 0, "cache_salt": "team", "prompt_cache_key": "conversation-1"}
+    owner, _ = create(srv, system=system, extra_body=salt)
+    written = owner.usage.cache_creation_input_tokens
+    assert owner.usage.cache_read_input_tokens == 0 and written > MIN_CACHE_TOKENS
+    other, _ = create(srv, key="sk-globex", system=system, extra_body=salt)
+    assert other.usage.cache_read_input_tokens == 0 and other.usage.cache_creation_input_tokens == written
+    narrower, _ = create(srv, system=system, extra_body={**salt, "prompt_cache_key": "conversation-2"})
+    assert narrower.usage.cache_read_input_tokens == 0
+    again, _ = create(srv, system=system, extra_body=salt)
+    assert again.usage.cache_read_input_tokens == written and again.usage.cache_creation_input_tokens == 0
 
 
 def test_tools_1h_before_system_5m(srv):

@@ -3,8 +3,8 @@
 Each block that carries `cache_control` (a tool, a system block, a message content block) becomes an engine
 Breakpoint at the token position where that block ends in the rendered prompt; a top-level `cache_control`
 marks the last content block of the last message. Content blocks of one message are joined with newlines;
-tool_use and tool_result blocks are rendered as text. A `cache_salt` extension field narrows the scope as in
-the OpenAI API.
+tool_use and tool_result blocks are rendered as text. The `cache_salt` and `prompt_cache_key` extension
+fields narrow the scope as in the OpenAI API.
 """
 import json
 import uuid
@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from prefixcache.engine.sequence import Breakpoint, SamplingParams
+from prefixcache.server.auth import client_salt
 from prefixcache.server.errors import ApiError, Extra, parse
 from prefixcache.server.generation import Generation
 from prefixcache.server.prompt import MARK, clean, render, system_text, tool_json
@@ -72,6 +73,7 @@ class MessagesRequest(Extra):
     stream: bool | None = False
     cache_control: CacheControl | None = None
     cache_salt: str | None = None
+    prompt_cache_key: str | None = None
 
 
 def marked(text: str, cc: CacheControl | None, ttls: list[str]) -> str:
@@ -141,7 +143,8 @@ async def messages(request: Request):
     stops = [s for s in req.stop_sequences or [] if s]
     params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p or 1.0,
                             top_k=req.top_k or 0, max_tokens=req.max_tokens, stop=stops)
-    gen = await server.generate(request, "anthropic", principal, prompt.token_ids, params, req.cache_salt or "",
+    gen = await server.generate(request, "anthropic", principal, prompt.token_ids, params,
+                                client_salt(req.cache_salt, req.prompt_cache_key),
                                 breakpoints, where=prompt.where)
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": server.model_name}
 

@@ -26,6 +26,11 @@ def load_keys(path: str) -> dict[str, Principal]:
             for key, v in raw.items()}
 
 
+def client_salt(cache_salt: str | None, prompt_cache_key: str | None) -> str:
+    """The client's part of its cache scope. It is added to the scope the key gives, so it can only narrow it."""
+    return "\x1f".join(s for s in (cache_salt, prompt_cache_key) if s)
+
+
 def authenticate(keys: dict[str, Principal] | None, headers) -> Principal:
     if keys is None:
         return LOCAL

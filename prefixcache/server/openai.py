@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from prefixcache.engine.sequence import SamplingParams
+from prefixcache.server.auth import client_salt
 from prefixcache.server.errors import ApiError, Extra, parse
 from prefixcache.server.generation import Generation
 from prefixcache.server.prompt import Prompt, clean, render, system_text, tool_json
@@ -64,7 +65,7 @@ class Common(Extra):
 
     @property
     def salt(self) -> str:
-        return "\x1f".join(s for s in (self.cache_salt, self.prompt_cache_key) if s)
+        return client_salt(self.cache_salt, self.prompt_cache_key)
 
 
 class ChatRequest(Common):
