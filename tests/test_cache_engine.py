@@ -1,5 +1,6 @@
 """Prefix-cache behaviour through the engine: warm == cold, isolation, staleness, lifecycle, bounds."""
 import pytest
+import torch
 
 from conftest import GREEDY, generate_with_logits
 from prefixcache import LLM, Breakpoint, CacheScope, SamplingParams
@@ -260,3 +261,40 @@ def test_cross_scope_misses_are_flagged_for_the_operator_only(tiny_model):
     assert (held.miss_cause, held.cross_scope_miss) == ("cold", True)
     assert (fresh.miss_cause, fresh.cross_scope_miss) == ("cold", False)
     assert run(doc).miss_cause == "hit"  # the prober's own copy now
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_preemption_under_a_tight_budget_keeps_logits_bit_identical(tiny_model, cache):
+    """Five long prompts decoding together outgrow a 40-block budget: the newest are preempted, give their
+    blocks back and are recomputed later (from their cached blocks when the cache is on)."""
+    prompts = [BASE[i * 10:i * 10 + 200] for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    roomy = LLM(model=tiny_model, enable_prefix_cache=cache)
+    tight = LLM(model=tiny_model, enable_prefix_cache=cache, kv_cache_bytes=41 * roomy.engine.pool.block_bytes)
+    ref_out, ref = generate_with_logits(roomy, prompts, params)
+    out, logits = generate_with_logits(tight, prompts, params)
+    assert roomy.cache_stats()["preemptions"] == 0 and tight.cache_stats()["preemptions"] > 0
+    for a, b, la, lb in zip(ref_out, out, ref, logits):
+        assert a.token_ids == b.token_ids
+        assert torch.equal(la, lb)
+
+
+def test_purge_while_the_tenant_runs_keeps_its_output_and_the_shared_prefix(tiny_model):
+    shared = BASE[:64]
+    prompt = shared + BASE[100:180]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    reference = LLM(model=tiny_model, shared_prefixes=[shared]).generate([prompt], params)[0]
+    llm = LLM(model=tiny_model, shared_prefixes=[shared])
+    llm.generate([shared + BASE[200:240]], params, scope=CacheScope(tenant="acme"))  # acme's own blocks exist
+    engine = llm.engine
+    seq = engine.add_request(prompt, params, CacheScope(tenant="acme"))
+    for _ in range(5):  # prefilled, and a few tokens decoded
+        engine.step()
+    assert 0 < len(seq.output_ids) < 24
+    assert engine.purge_tenant("acme") > 0  # the finished request's own blocks go; the running one's stay
+    while seq.finish_reason is None:
+        engine.step()
+    assert engine.output(seq).token_ids == reference.token_ids
+    other = llm.generate([shared + BASE[300:340]], params, scope=CacheScope(tenant="globex"))[0]
+    assert other.cached_tokens == len(shared) and other.scope_kind == "shared"
+    assert llm.generate([prompt], params, scope=CacheScope(tenant="acme"))[0].cached_tokens == len(prompt) - 1

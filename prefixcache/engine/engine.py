@@ -130,6 +130,7 @@ class Engine:
         s["ttft_mean"] = statistics.fmean(self.ttfts) if self.ttfts else None
         s["running"] = len(self.scheduler.running)
         s["waiting"] = len(self.scheduler.waiting)
+        s["preemptions"] = self.scheduler.num_preemptions
         return s
 
     def _append(self, seq: Sequence, token: int) -> None:

@@ -13,6 +13,7 @@ class Scheduler:
         self.fairness_steps = fairness_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.manager.prepare(seq)
@@ -55,6 +56,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Give a running sequence's blocks back (its computed blocks stay cached) and requeue it."""
         self.manager.release(seq, finished=False)
+        self.num_preemptions += 1
         self.running.remove(seq)
         seq.status = Status.WAITING
         self.manager.prepare(seq)

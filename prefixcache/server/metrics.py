@@ -32,6 +32,10 @@ class EngineCollector:
         for reason, n in s["evictions"].items():
             ev.add_metric(labels + [reason], n)
         yield ev
+        pre = CounterMetricFamily("prefixcache:num_preemptions", "Running requests preempted for memory (recomputed "
+                                  "later)", labels=["model_name"])
+        pre.add_metric(labels, s["preemptions"])
+        yield pre
         for name, doc, value in (("kv_cache_usage_perc", "Fraction of KV blocks in use (live or cached)",
                                   s["occupancy_perc"] / 100),
                                  ("num_requests_waiting", "Requests waiting for admission", s["waiting"]),
