@@ -84,7 +84,7 @@ def test_weights_fingerprint_change_means_no_hits(tiny_model, tiny_model_v2):
 def test_ttl_expiry_pin_and_purge(tiny_model):
     llm = LLM(model=tiny_model)
     now = [1000.0]
-    cache = llm.engine.manager.cache
+    cache = llm.engine.blocks.cache
     cache.clock = lambda: now[0]
     p = BASE[:96]
     bp = [Breakpoint(80, "5m")]
@@ -116,7 +116,7 @@ def test_ttl_expiry_pin_and_purge(tiny_model):
 def test_eviction_order_expired_then_priority_then_lru(tiny_model):
     llm = LLM(model=tiny_model)
     now = [0.0]
-    cache = llm.engine.manager.cache
+    cache = llm.engine.blocks.cache
     cache.clock = lambda: now[0]
     outs = []
     for span, kwargs in (((0, 32), {}), ((100, 132), {}), ((200, 232), dict(priority=5)),
@@ -232,7 +232,7 @@ def test_stop_strings_and_max_tokens(tiny_model):
 def test_miss_causes(tiny_model):
     llm = LLM(model=tiny_model, min_cache_tokens=40)
     now = [0.0]
-    llm.engine.manager.cache.clock = lambda: now[0]
+    llm.engine.blocks.cache.clock = lambda: now[0]
     doc = BASE[:120]
     assert llm.generate([doc], GREEDY)[0].miss_cause == "cold"
     assert llm.generate([doc], GREEDY)[0].miss_cause == "hit"
@@ -258,9 +258,9 @@ def test_cross_scope_misses_are_flagged_for_the_operator_only(tiny_model):
         return seq
 
     held, fresh = run(doc), run(BASE[200:320])
-    assert (held.miss_cause, held.cross_scope_miss) == ("cold", True)
-    assert (fresh.miss_cause, fresh.cross_scope_miss) == ("cold", False)
-    assert run(doc).miss_cause == "hit"  # the prober's own copy now
+    assert (held.cache.miss_cause, held.cache.cross_scope_miss) == ("cold", True)
+    assert (fresh.cache.miss_cause, fresh.cache.cross_scope_miss) == ("cold", False)
+    assert run(doc).cache.miss_cause == "hit"  # the prober's own copy now
 
 
 @pytest.mark.parametrize("cache", [False, True])

@@ -69,7 +69,7 @@ def _cache_figures(cold) -> dict:
         assert out.cached_tokens == 4096
         hits.append(out.ttft)
     miss = _median(lambda: cold.generate([prefix + suffixes[0]], one), 2)
-    floor = _suffix_floor(cold, prefix, suffixes)
+    floor = _suffix_floor(warm, prefix, suffixes)
     hit = statistics.median(hits)
     return {"hit_4096_64_ttft_s": hit, "miss_4096_64_ttft_s": miss, "suffix_floor_64_on_4096_s": floor,
             "hit_over_floor": hit / floor, "miss_over_hit": miss / hit,
@@ -77,25 +77,17 @@ def _cache_figures(cold) -> dict:
             "kv_dtype": warm.engine.config.kv_dtype, "match_lock": _match_lock_times()}
 
 
-def _suffix_floor(llm, prefix: list[int], suffixes: list[list[int]]) -> float:
-    """Prefill 64 tokens over KV that is already in the pool: the runner alone, no lookup, no scheduling."""
-    from prefixcache.engine.sequence import SamplingParams, Sequence
+def _suffix_floor(warm, prefix: list[int], suffixes: list[list[int]]) -> float:
+    """The one engine step that prefills 64 tokens over the cached prefix: what a hit cannot avoid."""
+    from prefixcache import SamplingParams
 
-    engine = llm.engine
-    seq = Sequence(prefix + suffixes[0], SamplingParams(), engine.scope())
-    seq.block_table = engine.pool.allocate(-(-len(seq.tokens) // engine.config.block_size))
-    while seq.num_computed < len(prefix):
-        n = min(512, len(prefix) - seq.num_computed)
-        engine.runner.run([(seq, n)])
-        seq.num_computed += n
     times = []
     for s in suffixes:
-        seq.tokens[len(prefix):] = s
+        seq = warm.engine.add_request(prefix + s, SamplingParams(temperature=0.0, max_tokens=1))
         t = time.perf_counter()
-        engine.runner.run([(seq, len(s))])
+        warm.engine.step()
         times.append(time.perf_counter() - t)
-    for b in seq.block_table:
-        engine.pool.unref(b)
+        assert seq.finish_reason is not None and seq.cache.num_cached == len(prefix)
     return statistics.median(times)
 
 
@@ -103,14 +95,14 @@ def _match_lock_times() -> dict:
     """Hash + match + lock for an 8k-token prompt as the cache holds more and more tokens (synthetic KV)."""
     import torch
 
-    from prefixcache.cache.manager import CacheManager
     from prefixcache.cache.pool import KVPool
     from prefixcache.cache.scope import CacheScope
+    from prefixcache.engine.blocks import BlockManager
     from prefixcache.engine.sequence import SamplingParams, Sequence
 
     bs = 16
     pool = KVPool(1, 1, 1, bs, budget_bytes=(420_000 // bs + 2) * 2 * bs * 2, dtype=torch.bfloat16)
-    manager = CacheManager(pool, True, 0, None, [])
+    manager = BlockManager(pool, True, 0, None, [])
     scope = CacheScope(tenant="bench", fingerprint="x")
     prompt = _tokens(8192, 99)
     out, cached, i = {}, 0, 0
@@ -129,7 +121,7 @@ def _match_lock_times() -> dict:
             manager.prepare(seq)
             manager.admit(seq)
             times.append(time.perf_counter() - t)
-            assert seq.num_cached == 8191
+            assert seq.cache.num_cached == 8191
             manager.release(seq, finished=False)
         out[str(cached)] = statistics.median(times) * 1000
     return {"cached_tokens_to_ms": out}

@@ -8,10 +8,15 @@ tree as leaves; a hit on one, or on the head of a full block, is served by copyi
 Every node holds one pool reference on its block; a running sequence holds its own. A node may be evicted
 only when it is an unpinned leaf whose block nobody else references. Eviction takes expired entries first,
 then lower priority, then least recently used.
+
+The cache knows scope keys, tokens and block ids, never a request. Each scope with live entries has an opaque
+owner (the engine uses tenant and labels), so that an owner's entries can be purged under every scope it wrote.
+NullCache stands in when caching is off.
 """
 import heapq
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +56,8 @@ class Match:
 
 
 class PrefixCache:
+    enabled = True
+
     def __init__(self, pool: KVPool, clock=time.monotonic):
         self.pool = pool
         self.bs = pool.block_size
@@ -61,6 +68,7 @@ class PrefixCache:
         self.num_pinned = 0  # blocks that eviction may never take
         self.contents: Counter[bytes] = Counter()  # scope-free keys of live full blocks
         self.gone: OrderedDict[bytes, str] = OrderedDict()  # recently removed keys -> reason, for miss answers
+        self.scopes: dict[bytes, list] = {}  # scope key -> [owner, live nodes]: bounded by the nodes
 
     # ---- public API -------------------------------------------------------------------------------------
     def match(self, tokens: list[int], keys: list[bytes], scopes: list[bytes], partial_scopes: tuple[bytes, ...],
@@ -96,9 +104,9 @@ class PrefixCache:
         return result
 
     def insert(self, parent: Node | None, key: bytes, scope: bytes, tokens: tuple[int, ...], block: int,
-               ttl: float | None, priority: int) -> tuple[Node | None, bool]:
+               ttl: float | None, priority: int, owner: Hashable = None) -> tuple[Node | None, bool]:
         """Publish a computed block (the cache takes its own reference). Returns (node, created); node is None
-        on a hash collision, which is never resolved in favour of either side."""
+        on a hash collision, which is never resolved in favour of either side. `owner` owns the scope's entries."""
         node = self.nodes.get(key)
         if node is not None and (node.tokens != tokens or node.parent is not parent and parent is not None):
             return None, False
@@ -114,12 +122,17 @@ class PrefixCache:
         node = Node(key, parent, scope, tokens, block, ttl=ttl, priority=priority,
                     content=block_key(parent.content, b"", np.asarray(tokens, dtype=np.int32).tobytes()))
         self.contents[node.content] += 1
+        self.scopes.setdefault(scope, [owner, 0])[1] += 1
         self.gone.pop(key, None)
         self.pool.ref(block)
         parent.children[key] = node
         self.nodes[key] = node
         self.touch([node])
         return node, True
+
+    def get(self, key: bytes) -> Node | None:
+        """The live node with this key, if any."""
+        return self.nodes.get(key)
 
     def touch(self, nodes: list[Node]) -> None:
         now = self.clock()
@@ -144,14 +157,34 @@ class PrefixCache:
         return freed
 
     def purge(self, scope: bytes) -> int:
-        """Drop every unreferenced entry of one scope (a tenant's purge). Returns blocks freed."""
+        """Drop every unreferenced entry of one scope. Returns blocks freed."""
+        return self._purge({scope})
+
+    def purge_owner(self, owner: Hashable) -> int:
+        """Drop every unreferenced entry of every scope `owner` owns. Returns blocks freed."""
+        return self._purge({key for key, (o, _) in self.scopes.items() if o == owner})
+
+    def explain(self, key: bytes) -> str | None:
+        """Why the block with this key is not matchable: "expired", "evicted" (or purged), or None if unknown."""
+        node = self.nodes.get(key)
+        if node is not None and node.expires_at <= self.clock():
+            return "expired"
+        reason = self.gone.get(key)
+        return None if reason is None else "expired" if reason == "ttl" else "evicted"
+
+    def holds(self, tokens: list[int]) -> bool:
+        """True if any scope holds a full-block path of exactly these tokens (len a multiple of block_size)."""
+        return chain_keys(tokens, [b""] * (len(tokens) // self.bs), self.bs)[-1] in self.contents
+
+    def _purge(self, scopes: set[bytes]) -> int:
         freed = 0
-        for node in sorted((n for n in self.nodes.values() if n.scope == scope), key=_depth, reverse=True):
+        for node in sorted((n for n in self.nodes.values() if n.scope in scopes), key=_depth, reverse=True):
             if not node.children and self.pool.refs[node.block] == 1:
                 freed += self._remove(node, "purge")
         return freed
 
     def clear(self) -> int:
+        """Drop every unreferenced entry. Returns blocks freed."""
         freed = 0
         for node in sorted(self.nodes.values(), key=_depth, reverse=True):
             if not node.children and self.pool.refs[node.block] == 1:
@@ -169,6 +202,10 @@ class PrefixCache:
 
     def evictable_blocks(self) -> int:
         return sum(1 for n in self.nodes.values() if not n.pinned and self.pool.refs[n.block] == 1)
+
+    @property
+    def num_scopes(self) -> int:
+        return len(self.scopes)
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _evictable(self, node: Node) -> bool:
@@ -191,10 +228,58 @@ class PrefixCache:
         if not self.contents[node.content]:
             del self.contents[node.content]
         self.gone[node.key] = reason
+        entry = self.scopes[node.scope]
+        entry[1] -= 1
+        if not entry[1]:
+            del self.scopes[node.scope]
         if len(self.gone) > GONE_MEMORY:
             self.gone.popitem(last=False)
         self.pool.unref(node.block)
         return 1
+
+
+class NullCache:
+    """The prefix cache when caching is off: nothing matches, nothing is kept."""
+
+    enabled = False
+    num_blocks = num_pinned = num_scopes = 0
+    evictions: Counter[str] = Counter()
+
+    def match(self, tokens, keys, scopes, partial_scopes, limit) -> Match:
+        return Match([])
+
+    def insert(self, *args, **kwargs) -> tuple[None, bool]:
+        return None, False
+
+    def touch(self, nodes) -> None:
+        pass
+
+    def evict(self, n_blocks: int) -> int:
+        return 0
+
+    def purge(self, scope: bytes) -> int:
+        return 0
+
+    def purge_owner(self, owner: Hashable) -> int:
+        return 0
+
+    def get(self, key: bytes) -> None:
+        return None
+
+    def explain(self, key: bytes) -> None:
+        return None
+
+    def holds(self, tokens: list[int]) -> bool:
+        return False
+
+    def clear(self) -> int:
+        return 0
+
+    def pin(self, nodes, pinned: bool = True) -> None:
+        pass
+
+    def evictable_blocks(self) -> int:
+        return 0
 
 
 def chain_keys(tokens: list[int], scopes: list[bytes], block_size: int, parent: bytes = b"") -> list[bytes]:

@@ -2,19 +2,23 @@
 import dataclasses
 import statistics
 import time
+from collections import deque
 
 import torch
 
-from prefixcache.cache.manager import CacheManager
+from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.pool import KVPool
 from prefixcache.cache.scope import CacheScope
 from prefixcache.config import Config
+from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.runner import ModelRunner
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.scheduler import Scheduler
-from prefixcache.engine.sequence import Breakpoint, RequestOutput, SamplingParams, Sequence, Status
+from prefixcache.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
 from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
+
+TTFT_WINDOW = 1024  # recent requests whose time to first token stats() summarizes
 
 
 class Engine:
@@ -22,9 +26,7 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        t0 = time.perf_counter()
         weights = load(config.model, getattr(torch, config.dtype))
-        self.load_seconds = time.perf_counter() - t0
         self.tokenizer = weights.tokenizer
         self.model_config = weights.config
         self.model_name = weights.name
@@ -33,13 +35,12 @@ class Engine:
         c = weights.config
         self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, config.kv_cache_bytes,
                            getattr(torch, config.kv_dtype))
-        self.manager = CacheManager(self.pool, config.enable_prefix_cache, config.min_cache_tokens,
+        self.blocks = BlockManager(self.pool, config.enable_prefix_cache, config.min_cache_tokens,
                                     config.default_ttl, config.shared_prefixes, config.log_cross_scope_misses)
-        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps)
         self.runner = ModelRunner(Llama(weights, config.attn_tile), self.pool)
         self.sampler = Sampler()
-        self.ttfts: list[float] = []
-        self.num_steps = 0
+        self.ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
 
     def add_request(self, prompt: list[int], params: SamplingParams, scope: CacheScope | None = None,
                     breakpoints: list[Breakpoint] = (), priority: int = 0) -> Sequence:
@@ -53,7 +54,7 @@ class Engine:
             if not 0 < b.position <= len(prompt):
                 raise ValueError(f"breakpoint at {b.position} is outside the prompt (1..{len(prompt)})")
         needed = -(-(len(prompt) + 1) // self.config.block_size)
-        room = self.pool.usable_blocks - (self.manager.cache.num_pinned if self.manager.cache else 0)
+        room = self.pool.usable_blocks - self.blocks.cache.num_pinned
         if needed > room:  # it could never be admitted: waiting would hang
             raise ValueError(f"prompt needs {needed} KV blocks; the budget leaves {room} (pinned entries excluded)")
         seq = Sequence(prompt, params, self.scope(scope), list(breakpoints), priority)
@@ -66,11 +67,10 @@ class Engine:
         if not plan:
             return []
         logits = self.runner.run(plan)
-        self.num_steps += 1
         touched = []
         for seq, n in plan:
             seq.num_computed += n
-            self.manager.publish(seq)
+            self.blocks.publish(seq)
             if seq.id in logits:
                 self._append(seq, self.sampler.sample(logits[seq.id], seq.id, seq.params))
                 touched.append(seq)
@@ -88,45 +88,40 @@ class Engine:
 
     def purge(self, scope: CacheScope) -> int:
         """Drop a scope's unreferenced cache entries; returns blocks freed."""
-        cache = self.manager.cache
-        return cache.purge(self.scope(scope).key) if cache else 0
+        return self.blocks.cache.purge(self.scope(scope).key)
 
     def purge_tenant(self, tenant: str, labels: tuple[str, ...] = ()) -> int:
         """Drop the unreferenced entries of a tenant and label set under every salt; returns blocks freed."""
-        return self.manager.purge_tenant(tenant, labels) if self.manager.cache else 0
+        return self.blocks.purge_tenant(tenant, labels)
 
     def pin(self, prompt: list[int], scope: CacheScope | None = None, pinned: bool = True) -> int:
         """Pin (or unpin) the cached full blocks of a prompt so eviction never takes them; returns tokens pinned."""
-        cache = self.manager.cache
-        if cache is None:
-            return 0
         seq = Sequence(prompt, SamplingParams(), self.scope(scope))
-        self.manager.prepare(seq)
-        nodes = self.manager.match(seq, limit=len(prompt)).nodes
-        cache.pin(nodes, pinned)
+        self.blocks.prepare(seq)
+        nodes = self.blocks.match(seq, limit=len(prompt)).nodes
+        self.blocks.cache.pin(nodes, pinned)
         return len(nodes) * self.config.block_size
 
     def clear_cache(self) -> int:
-        cache = self.manager.cache
-        return cache.clear() if cache else 0
+        return self.blocks.cache.clear()
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def output(self, seq: Sequence) -> RequestOutput:
-        end = seq.finish_time
+        end, c = seq.finish_time, seq.cache
         return RequestOutput(
             request_id=seq.id, prompt_token_ids=seq.tokens[:seq.num_prompt], token_ids=seq.output_ids, text=seq.text,
-            finish_reason=seq.finish_reason, cached_tokens=seq.num_cached or 0, cache_write_tokens=dict(seq.cache_write),
-            scope_kind=seq.scope_kind, miss_cause=seq.miss_cause,
+            finish_reason=seq.finish_reason, cached_tokens=c.num_cached or 0, cache_write_tokens=dict(c.write),
+            scope_kind=c.scope_kind, miss_cause=c.miss_cause,
             ttft=seq.first_token_time - seq.arrival if seq.first_token_time else None,
             latency=end - seq.arrival if end else None,
         )
 
     def stats(self) -> dict:
-        s = self.manager.stats()
+        s = self.blocks.stats()
         s["saved_prefill_tokens"] = s["hit_tokens"]
-        s["ttft_p50"] = statistics.median(self.ttfts) if self.ttfts else None
+        s["ttft_p50"] = statistics.median(self.ttfts) if self.ttfts else None  # over the last TTFT_WINDOW
         s["ttft_mean"] = statistics.fmean(self.ttfts) if self.ttfts else None
         s["running"] = len(self.scheduler.running)
         s["waiting"] = len(self.scheduler.waiting)

@@ -1,8 +1,9 @@
 """LLM: the offline, vLLM-style API over the engine."""
+from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.scope import CacheScope
 from prefixcache.config import Config
 from prefixcache.engine.engine import Engine
-from prefixcache.engine.sequence import Breakpoint, RequestOutput, SamplingParams
+from prefixcache.engine.sequence import RequestOutput, SamplingParams
 
 
 class LLM:

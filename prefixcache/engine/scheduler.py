@@ -1,13 +1,13 @@
 """Continuous batching: which sequences run this step, and how many of their tokens."""
 from collections import deque
 
-from prefixcache.cache.manager import CacheManager
+from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, manager: CacheManager, max_num_seqs: int, max_batch_tokens: int, fairness_steps: int):
-        self.manager = manager
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int, fairness_steps: int):
+        self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.fairness_steps = fairness_steps
@@ -16,7 +16,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.manager.prepare(seq)
+        self.blocks.prepare(seq)
         self.waiting.append(seq)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
@@ -27,7 +27,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             n = min(seq.num_uncomputed, budget)
-            while not self.manager.grow(seq, n):
+            while not self.blocks.grow(seq, n):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
@@ -41,7 +41,7 @@ class Scheduler:
                 break
             if self._waits_for_inflight(seq, m):
                 continue
-            if not self.manager.admit(seq, m):
+            if not self.blocks.admit(seq, m):
                 break  # the head of the queue waits for memory rather than being overtaken forever
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
@@ -55,15 +55,15 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Give a running sequence's blocks back (its computed blocks stay cached) and requeue it."""
-        self.manager.release(seq, finished=False)
+        self.blocks.release(seq, finished=False)
         self.num_preemptions += 1
         self.running.remove(seq)
         seq.status = Status.WAITING
-        self.manager.prepare(seq)
+        self.blocks.prepare(seq)
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        self.manager.release(seq, finished=True)
+        self.blocks.release(seq, finished=True)
         self.running.remove(seq)
         seq.status = Status.FINISHED
 
@@ -77,17 +77,14 @@ class Scheduler:
     def _admission_order(self) -> list[tuple[Sequence, object]]:
         """(request, its cache match): longest cached prefix first, except that a request passed over
         `fairness_steps` times goes first."""
-        if self.manager.cache is None:
-            return [(seq, None) for seq in self.waiting]
-        matches = [(seq, self.manager.match(seq)) for seq in self.waiting]
+        matches = [(seq, self.blocks.match(seq)) for seq in self.waiting]
         return sorted(matches, key=lambda p: (p[0].skipped < self.fairness_steps, -len(p[1]), p[0].arrival))
 
     def _waits_for_inflight(self, seq: Sequence, m) -> bool:
         """True if a running prefill is computing the next block of this request's prefix: wait, then hit."""
-        if m is None:
-            return False
         j = len(m.nodes)
-        if j >= len(seq.keys):
+        if not self.blocks.cache.enabled or j >= len(seq.cache.keys):
             return False
-        nxt = seq.keys[j]
-        return any(nxt in s.keys[s.num_computed // self.manager.bs:] for s in self.running if s.num_uncomputed > 1)
+        nxt = seq.cache.keys[j]
+        return any(nxt in s.cache.keys[s.num_computed // self.blocks.bs:] for s in self.running
+                   if s.num_uncomputed > 1)

@@ -4,9 +4,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from prefixcache.cache.policy import Breakpoint, WritePolicy
 from prefixcache.cache.scope import CacheScope
-
-TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 
 
 @dataclass
@@ -32,18 +31,6 @@ class SamplingParams:
             self.stop = [self.stop]
 
 
-@dataclass(frozen=True)
-class Breakpoint:
-    """Cache the prompt prefix that ends at token `position`, for `ttl` ("5m" or "1h")."""
-
-    position: int
-    ttl: str = "5m"
-
-    def __post_init__(self):
-        if self.ttl not in TTL_SECONDS:
-            raise ValueError(f"ttl must be one of {sorted(TTL_SECONDS)}, got {self.ttl!r}")
-
-
 @dataclass
 class RequestOutput:
     request_id: int
@@ -58,6 +45,23 @@ class RequestOutput:
     # hit, diverged, evicted, expired, below_min_length, cold (nothing cached), disabled
     ttft: float | None  # seconds from arrival to first token
     latency: float | None
+
+
+@dataclass
+class CacheState:
+    """A request's side of the prefix cache. Written only by the BlockManager."""
+
+    keys: list[bytes] = field(default_factory=list)  # chain keys of full blocks, extended as tokens arrive
+    nodes: list = field(default_factory=list)  # cache nodes of blocks 0.. (matched or published), in order
+    shared_len: int = 0  # leading tokens that belong to an operator-declared shared prefix
+    policy: WritePolicy | None = None
+    partials_done: set[int] = field(default_factory=set)
+    num_cached: int | None = None  # prompt tokens served from the cache at first admission
+    write: dict[str, int] = field(default_factory=dict)  # prompt tokens written, by TTL label
+    write_counted: int = 0  # prompt position up to which writes were counted
+    scope_kind: str = "none"
+    miss_cause: str = "cold"
+    cross_scope_miss: bool = False  # another scope holds the block where the match stopped (operator log only)
 
 
 class Status(Enum):
@@ -81,26 +85,14 @@ class Sequence:
         self.priority = priority
         self.status = Status.WAITING
         self.block_table: list[int] = []
-        self.nodes: list = []  # cache nodes of blocks 0.. (matched or published), in order
-        self.keys: list[bytes] = []  # chain keys of full blocks, extended as tokens arrive
         self.num_computed = 0  # tokens whose K/V are in the pool
-        self.num_cached: int | None = None  # prompt tokens served from the cache at first admission
-        self.shared_len = 0  # leading tokens that belong to an operator-declared shared prefix
-        self.partials_done: set[int] = set()
-        self.cache_write: dict[str, int] = {}
-        self.write_counted = 0  # prompt position up to which cache writes were counted
-        self.scope_kind = "none"
-        self.miss_cause = "cold"
-        self.cross_scope_miss = False  # another scope holds the block where the match stopped (operator log only)
+        self.cache = CacheState()
         self.skipped = 0  # admission rounds this request was passed over
         self.finish_reason: str | None = None
         self.text = ""
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-
-    def __len__(self) -> int:
-        return len(self.tokens)
 
     @property
     def output_ids(self) -> list[int]:

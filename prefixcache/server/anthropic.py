@@ -2,9 +2,8 @@
 
 Each block that carries `cache_control` (a tool, a system block, a message content block) becomes an engine
 Breakpoint at the token position where that block ends in the rendered prompt; a top-level `cache_control`
-marks the last content block of the last message. Content blocks of one message are joined with newlines;
-tool_use and tool_result blocks are rendered as text. The `cache_salt` and `prompt_cache_key` extension
-fields narrow the scope as in the OpenAI API.
+marks the last content block of the last message. The request is rendered by prefixcache/prompt.py. The
+`cache_salt` and `prompt_cache_key` extension fields narrow the scope as in the OpenAI API.
 """
 import json
 import uuid
@@ -12,13 +11,14 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from prefixcache.engine.sequence import Breakpoint, SamplingParams
+from prefixcache.cache.policy import Breakpoint
+from prefixcache.engine.sequence import SamplingParams
+from prefixcache.prompt import Prompt, fields, render
 from prefixcache.server.auth import client_salt
 from prefixcache.server.errors import ApiError, Extra, parse
 from prefixcache.server.generation import Generation
-from prefixcache.server.prompt import MARK, clean, render, system_text, tool_json
 
 MAX_BREAKPOINTS = 4
 
@@ -38,15 +38,11 @@ class Block(Extra):
     content: str | list["Block"] | None = None  # tool_result
     cache_control: CacheControl | None = None
 
-    def render(self) -> str:
-        if self.type == "text":
-            if self.text is None:
-                raise ApiError(400, "text blocks need a `text` field")
-            return clean(self.text)
-        if self.type == "tool_use":
-            return clean(json.dumps({"tool_use": self.name, "input": self.input}, ensure_ascii=False))
-        content = self.content if isinstance(self.content, str) else "\n".join(b.render() for b in self.content or [])
-        return clean(content)
+    @model_validator(mode="after")
+    def text_blocks_have_text(self) -> "Block":
+        if self.type == "text" and self.text is None:
+            raise ValueError("text blocks need a `text` field")
+        return self
 
 
 class Message(Extra):
@@ -76,40 +72,17 @@ class MessagesRequest(Extra):
     prompt_cache_key: str | None = None
 
 
-def marked(text: str, cc: CacheControl | None, ttls: list[str]) -> str:
-    """The block's text, ending with MARK if it carries a breakpoint (whose TTL is appended to ttls)."""
-    if cc is None:
-        return text
-    ttls.append(cc.ttl)
-    return text + MARK
-
-
-def build_prompt(tokenizer, req: MessagesRequest) -> tuple[list[int], list[Breakpoint]]:
+def build_prompt(tokenizer, req: MessagesRequest) -> tuple[Prompt, list[Breakpoint]]:
     """Render tools -> system -> messages; breakpoints in that order."""
-    if req.cache_control is not None:  # automatic: the last block of the last message
-        last = req.messages[-1]
-        if isinstance(last.content, str):
-            last.content = [Block(type="text", text=last.content)]
-        if last.content[-1].cache_control is None:
-            last.content[-1].cache_control = req.cache_control
-    ttls: list[str] = []
-    tools = [marked(tool_json(t.model_dump(exclude={"cache_control"}, exclude_none=True)), t.cache_control, ttls)
-             for t in req.tools or []]
-    if isinstance(req.system, list):
-        system = "\n".join(marked(b.render(), b.cache_control, ttls) for b in req.system)
-    else:
-        system = clean(req.system) if req.system else None
-    msgs = [{"role": "system", "content": s}] if (s := system_text(tools, system)) is not None else []
-    for m in req.messages:
-        blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
-        msgs.append({"role": m.role, "content": "\n".join(marked(b.render(), b.cache_control, ttls) for b in blocks)})
+    request_fields = fields(req.model_dump(exclude_unset=True))
+    ttls = [f.breakpoint for f in request_fields if f.breakpoint]
     if len(ttls) > MAX_BREAKPOINTS:
         raise ApiError(400, f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. "
                             f"Found {len(ttls)}.")
     if "5m" in ttls and "1h" in ttls[ttls.index("5m"):]:
         raise ApiError(400, "a ttl='1h' cache_control block must not come after a ttl='5m' cache_control block")
-    prompt = render(tokenizer, msgs)
-    return prompt, [Breakpoint(p, t) for p, t in zip(prompt.marks, ttls) if p > 0]
+    prompt = render(tokenizer, request_fields)
+    return prompt, [Breakpoint(p, t) for p, t in prompt.breakpoints if p > 0]
 
 
 def usage(gen: Generation) -> dict:

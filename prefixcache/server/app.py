@@ -15,15 +15,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.scope import CacheScope
 from prefixcache.config import Config
 from prefixcache.engine.engine import Engine
-from prefixcache.engine.sequence import Breakpoint, SamplingParams
+from prefixcache.engine.sequence import SamplingParams
+from prefixcache.prompt import encode_system
 from prefixcache.server.auth import Principal, authenticate, load_keys
 from prefixcache.server.errors import ApiError
 from prefixcache.server.generation import Generation
 from prefixcache.server.metrics import Metrics
-from prefixcache.server.prompt import encode_system
 from prefixcache.server.worker import EngineWorker
 
 MODEL_ALIAS = "default"

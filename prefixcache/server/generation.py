@@ -7,7 +7,7 @@ from typing import Callable
 
 from prefixcache.engine.sequence import RequestOutput
 from prefixcache.server.errors import ApiError
-from prefixcache.server.worker import Handle, Update
+from prefixcache.server.worker import Handle, Report, Update
 
 log = logging.getLogger("prefixcache.request")
 
@@ -21,6 +21,7 @@ class Generation:
         self.server, self.handle, self.api, self.tenant, self.where = server, handle, api, tenant, where
         self.holdback = max((len(s) for s in stop), default=1) - 1  # a stop string may still be completing
         self.pending: Update | None = None
+        self.report: Report | None = None  # the latest counts, from the engine thread's updates
         self.output: RequestOutput | None = None
         self.token_times: list[float] = []
         self.sent = ""
@@ -39,30 +40,29 @@ class Generation:
 
     @property
     def prompt_tokens(self) -> int:
-        return self.handle.seq.num_prompt
+        return self.report.prompt_tokens
 
     @property
     def cached_tokens(self) -> int:
-        # written by the engine thread at admission, before the first update was queued to us
-        return self.handle.seq.num_cached or 0
+        return self.report.cached_tokens
 
     @property
     def cache_write(self) -> dict[str, int]:
         """Prompt tokens written to the cache by TTL; complete for breakpoints once the first token exists."""
-        return self.output.cache_write_tokens if self.output else dict(self.handle.seq.cache_write)
+        return self.output.cache_write_tokens if self.output else self.report.cache_write
 
     @property
     def miss_at(self) -> str | None:
         """Where in the request (message and offset, for chats) the cached match stopped; None on a full hit."""
-        if self.handle.seq.miss_cause in ("hit", "disabled") or self.where is None:
+        if self.report.miss_cause in ("hit", "disabled") or self.where is None:
             return None
         return self.where(self.cached_tokens)
 
     def header(self) -> dict[str, str]:
-        seq = self.handle.seq
+        r = self.report
         at = f"; {self.miss_at}" if self.miss_at else ""
-        return {"x-prefix-cache": f"cached={self.cached_tokens}; prompt={seq.num_prompt}; scope={seq.scope_kind}; "
-                                  f"miss={seq.miss_cause}{at}"}
+        return {"x-prefix-cache": f"cached={r.cached_tokens}; prompt={r.prompt_tokens}; scope={r.scope_kind}; "
+                                  f"miss={r.miss_cause}{at}"}
 
     async def deltas(self):
         """New output text, held back while it may be the start of a stop string or an incomplete character."""
@@ -98,18 +98,18 @@ class Generation:
         if status != 200:  # errors are counted and logged where they are rendered
             return
         m.status(self.api, status)
-        seq = self.handle.seq
+        r = self.report
         line = {
             "api": self.api, "tenant": self.tenant, "status": status,
-            "finish_reason": out.finish_reason if out else "abort", "prompt_tokens": seq.num_prompt,
-            "cached_tokens": self.cached_tokens, "completion_tokens": len(seq.output_ids),
-            "cache_write_tokens": self.cache_write, "scope": seq.scope_kind, "miss": seq.miss_cause,
+            "finish_reason": out.finish_reason if out else "abort", "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens, "completion_tokens": r.output_tokens,
+            "cache_write_tokens": self.cache_write, "scope": r.scope_kind, "miss": r.miss_cause,
             "miss_at": self.miss_at,
             "ttft": round(out.ttft, 4) if out and out.ttft else None,
             "latency": round(time.monotonic() - self.start_time, 4),
         }
         if self.server.cfg.log_cross_scope_misses:
-            line["cross_scope_miss"] = seq.cross_scope_miss
+            line["cross_scope_miss"] = r.cross_scope_miss
         log.info(json.dumps(line))
 
     async def _next(self) -> Update:
@@ -119,4 +119,5 @@ class Generation:
             self.close(status)
             raise ApiError(status, u.error)
         self.token_times.append(u.time)
+        self.report = u.report
         return u

@@ -13,17 +13,38 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.scope import CacheScope
 from prefixcache.engine.engine import Engine
-from prefixcache.engine.sequence import Breakpoint, RequestOutput, SamplingParams, Sequence
+from prefixcache.engine.sequence import RequestOutput, SamplingParams, Sequence
 
 log = logging.getLogger("prefixcache.engine")
+
+
+@dataclass(frozen=True)
+class Report:
+    """A request's counts as of one update, copied on the engine thread (handlers never read a live Sequence)."""
+
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    cache_write: dict[str, int]  # complete for breakpoints once the first token exists
+    scope_kind: str
+    miss_cause: str
+    cross_scope_miss: bool
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "Report":
+        c = seq.cache
+        return cls(seq.num_prompt, len(seq.output_ids), c.num_cached or 0, dict(c.write), c.scope_kind, c.miss_cause,
+                   c.cross_scope_miss)
 
 
 @dataclass
 class Update:
     text: str  # the output so far
     time: float  # time.monotonic() on the engine thread
+    report: Report | None = None  # None on an error
     output: RequestOutput | None = None  # set on the last update
     error: str | None = None  # the engine refused the request (ValueError) or failed
     internal: bool = False  # the error is the engine's fault, not the client's
@@ -34,7 +55,7 @@ class Handle:
     """One request as the asyncio side sees it."""
 
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
-    seq: Sequence | None = None  # written by the engine thread
+    seq: Sequence | None = None  # the engine thread's only
     done: bool = False
 
 
@@ -134,7 +155,7 @@ class EngineWorker:
                 if seq.finish_reason is not None:
                     out = self.engine.output(seq)
                     del self.live[seq.id]
-                self._deliver(handle, Update(seq.text, now, out))
+                self._deliver(handle, Update(seq.text, now, Report.of(seq), out))
 
     def _deliver(self, handle: Handle, update: Update) -> None:
         self.loop.call_soon_threadsafe(handle.updates.put_nowait, update)
