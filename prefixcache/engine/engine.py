@@ -11,6 +11,7 @@ from prefixcache.cache.pool import KVPool
 from prefixcache.cache.scope import CacheScope
 from prefixcache.config import Config
 from prefixcache.engine.blocks import BlockManager
+from prefixcache.engine.detokenizer import Detokenizer
 from prefixcache.engine.runner import ModelRunner
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.scheduler import Scheduler
@@ -58,6 +59,7 @@ class Engine:
         if needed > room:  # it could never be admitted: waiting would hang
             raise ValueError(f"prompt needs {needed} KV blocks; the budget leaves {room} (pinned entries excluded)")
         seq = Sequence(prompt, params, self.scope(scope), list(breakpoints), priority)
+        seq.detok = Detokenizer(self.tokenizer)
         self.scheduler.add(seq)
         return seq
 
@@ -136,16 +138,19 @@ class Engine:
         seq.tokens.append(token)
         p = seq.params
         eos = token in self.model_config.eos_token_ids and not p.ignore_eos
-        seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        stop_at = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
-        if stop_at >= 0:
-            seq.text = seq.text[:stop_at]
+        new = seq.detok.add(token)
+        text = seq.detok.text
+        since = len(text) - len(new) - max(map(len, p.stop), default=0) + 1  # only new text can complete a stop
+        stop_at = min((i for i in (text.find(s, max(since, 0)) for s in p.stop) if i >= 0), default=-1)
+        seq.text = text[:stop_at] if stop_at >= 0 else text
         if eos or stop_at >= 0:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
             seq.finish_reason = "length"
         else:
             return
+        if stop_at < 0:
+            seq.text += seq.detok.flush()
         seq.finish_time = now
         self.scheduler.finish(seq)
         self.sampler.forget(seq.id)

@@ -6,6 +6,7 @@ from enum import Enum
 
 from prefixcache.cache.policy import Breakpoint, WritePolicy
 from prefixcache.cache.scope import CacheScope
+from prefixcache.engine.detokenizer import Detokenizer
 
 
 @dataclass
@@ -89,7 +90,8 @@ class Sequence:
         self.cache = CacheState()
         self.skipped = 0  # admission rounds this request was passed over
         self.finish_reason: str | None = None
-        self.text = ""
+        self.text = ""  # the output text (cut at a stop string)
+        self.detok: Detokenizer | None = None  # set by the engine, which has the tokenizer
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
