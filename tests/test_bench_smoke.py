@@ -10,8 +10,7 @@ from transformers import AutoTokenizer
 from prefixcache.bench.workloads import Size, build, system_prompt
 from prefixcache.config import default_model_path
 from prefixcache.models.loader import converted_folder
-from prefixcache.server.openai import ChatRequest, chat_prompt
-from prefixcache.server.prompt import encode_system
+from prefixcache.prompt import encode_system, fields, render
 
 BLOCK = 16
 
@@ -24,7 +23,7 @@ def _shared_prompt_floor(tokenizer) -> tuple[int, int]:
     """(prompt tokens, the cached tokens the shared-system-prompt workload guarantees): every request but the
     first that computes it reuses at least the full blocks that all requests have in common."""
     workload = build("shared-system-prompt", 0, Size.quick())
-    prompts = [chat_prompt(tokenizer, ChatRequest(model="default", messages=t.messages, tools=s.tools)).token_ids
+    prompts = [render(tokenizer, fields({"messages": t.messages, "tools": s.tools})).token_ids
                for s in workload.sessions for t in s.turns]
     common = min(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                  for a in prompts for b in prompts if a is not b)

@@ -8,7 +8,7 @@ import pytest
 from openai import OpenAI
 from server_fixtures import SHARED_SYSTEM, long_system, main_server, metrics, nocache_server, prefix_header
 
-from prefixcache.server.prompt import encode_system
+from prefixcache.prompt import encode_system
 
 MIN_PROMPT = 200  # long_system() prompts are longer than this, and than the server's minimum cacheable length
 

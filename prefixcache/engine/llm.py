@@ -4,6 +4,7 @@ from prefixcache.cache.scope import CacheScope
 from prefixcache.config import Config
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.sequence import RequestOutput, SamplingParams
+from prefixcache.prompt import fields, render
 
 
 class LLM:
@@ -26,10 +27,12 @@ class LLM:
         return [self.engine.output(s) for s in seqs]
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             scope: CacheScope | None = None) -> RequestOutput | list[RequestOutput]:
-        """One conversation gives one output; a list of conversations gives a list."""
+             scope: CacheScope | None = None, tools: list[dict] | None = None) -> RequestOutput | list[RequestOutput]:
+        """One conversation gives one output; a list of conversations gives a list. OpenAI-style messages and tools,
+        rendered as the server renders them."""
         single = bool(messages) and isinstance(messages[0], dict)
-        outs = self.generate([self.encode_chat(m) for m in ([messages] if single else messages)], params, scope)
+        prompts = [self.encode_chat(m, tools) for m in ([messages] if single else messages)]
+        outs = self.generate(prompts, params, scope)
         return outs[0] if single else outs
 
     def encode(self, text: str) -> list[int]:
@@ -38,8 +41,7 @@ class LLM:
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not messages:
             raise ValueError("messages is empty")
-        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
+        return render(self.tokenizer, fields({"messages": messages, "tools": tools})).token_ids
 
     def pin(self, prompt: str | list[int], scope: CacheScope | None = None, pinned: bool = True) -> int:
         return self.engine.pin(self.encode(prompt) if isinstance(prompt, str) else list(prompt), scope, pinned)

@@ -3,6 +3,7 @@
 Unknown fields are accepted and ignored. `prompt_cache_retention` is accepted; entries live until evicted
 either way. `cache_salt` and `prompt_cache_key` both narrow the cache scope (combined when both are given).
 Without max_tokens / max_completion_tokens a request generates at most DEFAULT_MAX_TOKENS tokens.
+Chat requests (tools, tool calls, content parts) are rendered by prefixcache/prompt.py.
 """
 import json
 import time
@@ -14,10 +15,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from prefixcache.engine.sequence import SamplingParams
+from prefixcache.prompt import fields, render
 from prefixcache.server.auth import client_salt
 from prefixcache.server.errors import ApiError, Extra, parse
 from prefixcache.server.generation import Generation
-from prefixcache.server.prompt import Prompt, clean, render, system_text, tool_json
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -29,9 +30,19 @@ class TextPart(Extra):
     text: str
 
 
+class FunctionCall(Extra):
+    name: str
+    arguments: str
+
+
+class ToolCall(Extra):
+    function: FunctionCall
+
+
 class Message(Extra):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class StreamOptions(Extra):
@@ -77,20 +88,6 @@ class CompletionRequest(Common):
     prompt: str | list[int] | list[str] | list[list[int]]
 
 
-def chat_prompt(tokenizer, req: ChatRequest) -> Prompt:
-    msgs = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or [])
-        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": clean(content)})
-    tools = [tool_json(t) for t in req.tools or []]
-    if tools:
-        if msgs[0]["role"] == "system":
-            msgs[0]["content"] = system_text(tools, msgs[0]["content"])
-        else:
-            msgs.insert(0, {"role": "system", "content": system_text(tools, None)})
-    return render(tokenizer, msgs)
-
-
 def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
@@ -114,7 +111,7 @@ async def complete(request: Request, model: type[Common], chat: bool):
     principal = server.auth(request)
     req = await parse(request, model)
     server.check_model(req.model)
-    rendered = chat_prompt(server.tokenizer, req) if chat else None
+    rendered = render(server.tokenizer, fields(req.model_dump(exclude_unset=True))) if chat else None
     prompt = rendered.token_ids if rendered else completion_prompt(server.tokenizer, req)
     params = req.sampling(server.engine.max_model_len)
     gen = await server.generate(request, "openai", principal, prompt, params, req.salt,
