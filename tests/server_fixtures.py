@@ -72,6 +72,11 @@ def tenants_server(tmp_path_factory, name: str, log_cross_scope_misses: bool = F
                                     min_cache_tokens=MIN_CACHE_TOKENS, log_cross_scope_misses=log_cross_scope_misses))
 
 
+def tiny_server(model: str) -> Running:
+    """A random-weight model (fast), no auth, everything cacheable, a budget of a few hundred KV blocks."""
+    return _start("tiny", ServeConfig(model=model, cache_memory_gb=0.002, min_cache_tokens=0))
+
+
 def nocache_server() -> Running:
     """Prefix cache off, no auth, one running request and one waiting: easy to fill up."""
     return _start("nocache", ServeConfig(prefix_cache=False, cache_memory_gb=0.1, min_cache_tokens=0, max_queue=1,
