@@ -1,5 +1,5 @@
-"""The prefix cache against a reference model, driven by random insert / match / lock / unlock / evict."""
-import math
+"""The prefix cache against a reference model, driven through the real BlockManager by random requests, releases and evictions."""
+from collections import Counter
 
 import torch
 from hypothesis import settings
@@ -7,28 +7,29 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from prefixcache.cache.pool import KVPool
-from prefixcache.cache.radix import PrefixCache, chain_keys
+from prefixcache.cache.scope import CacheScope
+from prefixcache.engine.blocks import BlockManager
+from prefixcache.engine.sequence import SamplingParams, Sequence
 
 BS = 4
-SCOPES = [b"tenant-a" * 2, b"tenant-b" * 2]
+SCOPES = [CacheScope(tenant="a"), CacheScope(tenant="b")]
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=26)  # a tiny alphabet, so prefixes collide
 
 
 class CacheMachine(RuleBasedStateMachine):
+    """Requests go through the real BlockManager (match, admit, publish, release) over a 40-block pool."""
+
     def __init__(self):
         super().__init__()
-        self.pool = KVPool(1, 1, 2, BS, budget_bytes=40 * 2 * BS * 2 * 4, dtype=torch.float32)  # 40 blocks
-        self.cache = PrefixCache(self.pool)
-        self.paths: dict[bytes, set[tuple[int, ...]]] = {s: set() for s in SCOPES}  # cached token paths
-        self.locks: list[tuple[bytes, tuple[int, ...], list[int]]] = []  # (scope, path, blocks held)
+        self.pool = KVPool(1, 1, 2, BS, budget_bytes=41 * 2 * BS * 2 * 4, dtype=torch.float32)
+        self.blocks = BlockManager(self.pool, True, 0, None, [])
+        self.cache = self.blocks.cache
+        self.paths: dict[bytes, set[tuple[int, ...]]] = {s.key: set() for s in SCOPES}  # cached token paths
+        self.locks: list[tuple[CacheScope, tuple[int, ...], Sequence]] = []  # running requests and their paths
 
-    def _match(self, scope: bytes, tokens: list[int]):
-        keys = chain_keys(tokens, [scope] * (len(tokens) // BS), BS)
-        return self.cache.match(tokens, keys, [scope] * len(keys), (scope,), len(tokens) - 1), keys
-
-    def _expected(self, scope: bytes, tokens: list[int]) -> int:
+    def _expected(self, scope: CacheScope, tokens: list[int]) -> int:
         best = 0
-        for path in self.paths[scope]:
+        for path in self.paths[scope.key]:
             n = 0
             while n < min(len(path), len(tokens)) and path[n] == tokens[n]:
                 n += 1
@@ -37,37 +38,29 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(scope=st.sampled_from(SCOPES), tokens=tokens_st, keep_locked=st.booleans())
     def request(self, scope, tokens, keep_locked):
-        """A request: match, lock the hit, allocate the rest, publish its full blocks."""
-        m, keys = self._match(scope, tokens)
+        """A request: match, admit (lock the hit, allocate the rest), compute, publish; release now or later."""
+        seq = Sequence(tokens, SamplingParams(), scope)
+        self.blocks.prepare(seq)
+        m = self.blocks.match(seq)
         assert len(m) == self._expected(scope, tokens)
-        for n in m.nodes:
-            self.pool.ref(n.block)
-        needed = math.ceil(len(tokens) / BS) - len(m.nodes)
-        if needed > self.pool.num_free:
-            self.cache.evict(needed - self.pool.num_free)
-            self._sync_after_eviction()
-        if needed > self.pool.num_free:  # does not fit: the request waits (here: gives up)
-            for n in m.nodes:
-                self.pool.unref(n.block)
+        admitted = self.blocks.admit(seq, m)
+        self._sync_after_eviction()  # admission may have evicted to make room
+        if not admitted:  # does not fit: the request waits (here: gives up)
             return
-        table = [n.block for n in m.nodes] + self.pool.allocate(needed)
-        parent = m.nodes[-1] if m.nodes else None
-        for j in range(len(m.nodes), len(keys)):
-            node, _ = self.cache.insert(parent, keys[j], scope, tuple(tokens[j * BS:(j + 1) * BS]), table[j], None, 0)
-            parent = node
-            self.paths[scope].add(tuple(tokens[:(j + 1) * BS]))
+        seq.num_computed = len(tokens)  # the model ran
+        self.blocks.publish(seq)
+        full = len(tokens) // BS * BS
+        self.paths[scope.key] |= {tuple(tokens[:end]) for end in range(BS, full + 1, BS)}
         if keep_locked:
-            self.locks.append((scope, tuple(tokens[:len(keys) * BS]), table))
+            self.locks.append((scope, tuple(tokens[:full]), seq))
         else:
-            for b in table:
-                self.pool.unref(b)
+            self.blocks.release(seq, finished=False)
 
     @precondition(lambda self: self.locks)
     @rule(i=st.integers(0, 100))
     def unlock(self, i):
-        _, _, table = self.locks.pop(i % len(self.locks))
-        for b in table:
-            self.pool.unref(b)
+        _, _, seq = self.locks.pop(i % len(self.locks))
+        self.blocks.release(seq, finished=False)
 
     @rule(n=st.integers(1, 50))
     def evict(self, n):
@@ -76,7 +69,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _sync_after_eviction(self):
         """What is left must include every locked path; the reference forgets what was evicted."""
-        live = {s: set() for s in SCOPES}
+        live = {s.key: set() for s in SCOPES}
         for node in self.cache.nodes.values():
             path = []
             cur = node
@@ -86,18 +79,21 @@ class CacheMachine(RuleBasedStateMachine):
             live[node.scope].add(tuple(path))
         for scope, path, _ in self.locks:  # locked blocks (and so their ancestors) survive
             for j in range(1, len(path) // BS + 1):
-                assert path[:j * BS] in live[scope]
+                assert path[:j * BS] in live[scope.key]
         self.paths = live
 
     @rule(scope=st.sampled_from(SCOPES), tokens=tokens_st)
     def match_only(self, scope, tokens):
-        assert len(self._match(scope, tokens)[0]) == self._expected(scope, tokens)
+        seq = Sequence(tokens, SamplingParams(), scope)
+        self.blocks.prepare(seq)
+        assert len(self.blocks.match(seq)) == self._expected(scope, tokens)
 
     @invariant()
     def within_budget(self):
-        held = {n.block for n in self.cache.nodes.values()} | {b for *_, t in self.locks for b in t}
-        assert len(held) + self.pool.num_free == self.pool.usable_blocks
-        assert all(r >= 0 for r in self.pool.refs)
+        holders = Counter(n.block for n in self.cache.nodes.values())
+        holders.update(b for *_, seq in self.locks for b in seq.block_table)
+        assert len(holders) + self.pool.num_free == self.pool.usable_blocks
+        assert self.pool.refs[1:] == [holders[b] for b in range(1, self.pool.num_blocks)]  # one ref per holder
 
 
 CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
