@@ -67,7 +67,7 @@ def test_tool_order(tok):
     b = {**a, "tools": TOOLS[::-1]}
     d = explain(rendered(tok, a), rendered(tok, b))
     assert (d.location.message_index, d.location.field) == (None, "tools[0]")
-    assert d.location.char_offset == len(commonprefix([json.dumps(TOOLS[0]), json.dumps(TOOLS[1])]))
+    assert d.location.char_offset == len(commonprefix([json.dumps(t, sort_keys=True) for t in TOOLS]))
     assert d.reusable_tokens < 16  # tools come first: nearly nothing is reusable
 
 
@@ -78,7 +78,7 @@ def test_anthropic_system_block_and_token_ids(tok):
     ra, rb = rendered(tok, body("2025-03-04")), rendered(tok, body("2025-03-05"))
     d = explain(ra, rb)
     assert (d.location.field, d.location.message_index, d.location.char_offset) == ("system[1].text", None, 15)
-    server_view = explain(ra.ids, rb)  # what the server has: the cached entry's token ids only
+    server_view = explain(ra.token_ids, rb)  # what the server has: the cached entry's token ids only
     assert server_view.common_tokens == d.common_tokens and server_view.location.field == "system[1].text"
     assert server_view.char == rb.offsets[d.token_index][0] <= d.char
 
@@ -86,8 +86,8 @@ def test_anthropic_system_block_and_token_ids(tok):
 def test_identical_requests(tok):
     r = rendered(tok, chat(SYSTEM, "Hi"))
     d = explain(r, r)
-    assert d.location is None and d.common_tokens == len(r.ids)
-    assert d.reusable_tokens == (len(r.ids) - 1) // 16 * 16  # the last prompt token is always recomputed
+    assert d.location is None and d.common_tokens == len(r.token_ids)
+    assert d.reusable_tokens == (len(r.token_ids) - 1) // 16 * 16  # the last prompt token is always recomputed
 
 
 def test_cli_diff(tok, tmp_path, capsys):

@@ -2,9 +2,10 @@
 from dataclasses import dataclass
 
 from prefixcache.lint.fingerprint import tool_name
-from prefixcache.lint.render import Rendered, Span
+from prefixcache.lint.render import Rendered
 from prefixcache.lint.report import Finding
 from prefixcache.lint.rules import RULES, volatile, whitespace
+from prefixcache.prompt import Span
 
 
 @dataclass
@@ -80,7 +81,7 @@ class Checker:
 
     def tools(self):
         tools = self.r.request.tools
-        spans = [s for s in self.r.spans if s.field.name.startswith("tools[")]
+        spans = [s for s in self.r.spans if s.field.is_tool]
         names = [tool_name(t) for t in tools]
         wrong = next((i for i, (n, c) in enumerate(zip(names, sorted(names))) if n != c), None)
         if wrong is not None:

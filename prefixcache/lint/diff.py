@@ -3,7 +3,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from os.path import commonprefix
 
-from prefixcache.lint.render import Rendered
+from prefixcache.prompt import Prompt
 
 
 @dataclass
@@ -26,22 +26,22 @@ class Divergence:
     a_location: Location | None = None
 
 
-def explain(a: Rendered | Sequence[int], b: Rendered, block_size: int = 16) -> Divergence:
+def explain(a: Prompt | Sequence[int], b: Prompt, block_size: int = 16) -> Divergence:
     """First divergence of request `b` from `a`: a rendered request, or token ids (e.g. the closest cached entry)."""
-    a_ids = a.ids if isinstance(a, Rendered) else list(a)
-    common = len(commonprefix([a_ids, b.ids]))
-    blocks = min(common, len(b.ids) - 1) // block_size
-    if isinstance(a, Rendered):  # the first differing character: more precise than the diverging token's start
+    a_ids = a.token_ids if isinstance(a, Prompt) else list(a)
+    common = len(commonprefix([a_ids, b.token_ids]))
+    blocks = min(common, len(b.token_ids) - 1) // block_size
+    if isinstance(a, Prompt):  # the first differing character: more precise than the diverging token's start
         char = len(commonprefix([a.text, b.text]))
     else:
-        char = b.offsets[common][0] if common < len(b.ids) else len(b.text)
-    loc = locate(b, char) if common < len(b.ids) else None
-    a_char = char if isinstance(a, Rendered) else None
-    a_loc = locate(a, char) if isinstance(a, Rendered) and common < len(a.ids) else None
+        char = b.offsets[common][0] if common < len(b.token_ids) else len(b.text)
+    loc = locate(b, char) if common < len(b.token_ids) else None
+    a_char = char if isinstance(a, Prompt) else None
+    a_loc = locate(a, char) if isinstance(a, Prompt) and common < len(a.token_ids) else None
     return Divergence(common, common, blocks * block_size, blocks, char, loc, a_char, a_loc)
 
 
-def locate(r: Rendered, char: int) -> Location:
+def locate(r: Prompt, char: int) -> Location:
     span = r.span_at(char)
     if span is None:
         return Location("<template>", None, "", char)

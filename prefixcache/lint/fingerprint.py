@@ -1,21 +1,17 @@
-"""Normalized requests (volatile values blanked, tools and JSON keys canonical, whitespace normalized) and the
+"""Normalized requests (volatile values blanked, tools sorted by name, whitespace normalized) and the
 template fingerprint: a stable hash of the static structure, so a template change is visible as a new version."""
-import json
 import re
 from dataclasses import replace
 
 import xxhash
 
-from prefixcache.lint.requests import PLACEHOLDER, Field, Request
+from prefixcache.lint.requests import PLACEHOLDER, Request
 from prefixcache.lint.rules import volatile
+from prefixcache.prompt import Field
 
 
 def tool_name(tool: dict) -> str:
     return tool.get("name") or tool.get("function", {}).get("name", "")
-
-
-def canonical_json(obj) -> str:
-    return json.dumps(obj, sort_keys=True, ensure_ascii=False)
 
 
 def normalize_text(text: str) -> str:
@@ -26,13 +22,16 @@ def normalize_text(text: str) -> str:
 
 
 def normalize(req: Request) -> Request:
-    """What the request would look like with every fix the linter suggests applied."""
-    tools = sorted(req.tools, key=tool_name)
-    tool_fields = [Field(f"tools[{req.tools.index(t)}]", None, "system", canonical_json(t), False) for t in tools]
-    if any(f.breakpoint for f in req.fields if f.name.startswith("tools[")) and tool_fields:
-        tool_fields[-1].breakpoint = True
-    rest = [replace(f, text=normalize_text(f.text)) for f in req.fields if not f.name.startswith("tools[")]
-    return replace(req, fields=tool_fields + rest, tools=tools)
+    """What the request would look like with every fix the linter suggests applied (the renderer already writes each
+    tool's JSON with sorted keys)."""
+    order = sorted(range(len(req.tools)), key=lambda i: tool_name(req.tools[i]))
+    tools = [f for f in req.fields if f.is_tool]
+    ttl = next((f.breakpoint for f in tools if f.breakpoint), None)
+    tool_fields = [replace(tools[i], breakpoint=None) for i in order]
+    if ttl:  # one breakpoint, after the last tool
+        tool_fields[-1].breakpoint = ttl
+    rest = [replace(f, text=normalize_text(f.text)) for f in req.fields if not f.is_tool]
+    return replace(req, fields=tool_fields + rest, tools=[req.tools[i] for i in order])
 
 
 def static_fields(req: Request) -> list[Field]:

@@ -8,7 +8,7 @@ import xxhash
 
 from prefixcache.lint.check import Options
 from prefixcache.lint.diff import Divergence, explain
-from prefixcache.lint.fingerprint import canonical_json, fingerprint, group_key, normalize_text, tool_name
+from prefixcache.lint.fingerprint import fingerprint, group_key, normalize_text, tool_name
 from prefixcache.lint.render import Rendered
 from prefixcache.lint.report import Finding
 from prefixcache.lint.rules import RULES, volatile
@@ -38,10 +38,9 @@ def classify(a: Rendered, b: Rendered, d: Divergence) -> tuple[str, str]:
     if loc is None or loc.field == "<template>":
         return "PC105", "chat structure"
     fb = b.span_at(d.char).field
-    if fb.name.startswith("tools["):
-        ta, tb = a.request.tools, b.request.tools
-        if sorted(map(canonical_json, ta)) == sorted(map(canonical_json, tb)):
-            return ("PC301", tool_name(tb[0])) if [*map(tool_name, ta)] != [*map(tool_name, tb)] else ("PC401", fb.name)
+    if fb.is_tool:  # the renderer sorts each tool's keys: only the tools' order or their definitions can differ
+        if sorted(_tool_texts(a)) == sorted(_tool_texts(b)):
+            return "PC301", tool_name(b.request.tools[0])
         return "PC105", f"tool definitions ({fb.name})"
     hit = next((h for h in volatile(fb.text) if h.start <= loc.char_offset < h.end + 1), None)
     if hit:
@@ -54,6 +53,10 @@ def classify(a: Rendered, b: Rendered, d: Divergence) -> tuple[str, str]:
     if fb.message_index is not None and fb.message_index == b.spans[-1].field.message_index:
         return NEW_TURN, ""
     return "PC105", fb.text[loc.char_offset:loc.char_offset + 30]
+
+
+def _tool_texts(r: Rendered) -> list[str]:
+    return [f.text for f in r.request.fields if f.is_tool]
 
 
 def _same_json(a: str, b: str) -> bool:
@@ -75,7 +78,7 @@ def analyze(rendered: list[Rendered], normalized: list[Rendered], opt: Options,
             chat_template: str = "") -> tuple[list[Finding], list[dict]]:
     """Cross-request findings (first occurrence per code and field) and per-template hit-rate reports."""
     bs = opt.block_size
-    actual, achievable = simulate([r.ids for r in rendered], bs), simulate([r.ids for r in normalized], bs)
+    actual, achievable = simulate([r.token_ids for r in rendered], bs), simulate([r.token_ids for r in normalized], bs)
     groups: dict[str, Group] = {}
     findings: dict[tuple[str, str], Finding] = {}
     counts: Counter = Counter()
@@ -109,7 +112,7 @@ def analyze(rendered: list[Rendered], normalized: list[Rendered], opt: Options,
             f.message += f"; seen in {counts[key]} requests"
     reports = []
     for g in groups.values():
-        total = sum(len(rendered[i].ids) for i in g.members)
+        total = sum(len(rendered[i].token_ids) for i in g.members)
         reports.append({
             "key": g.key, "requests": len(g.members), "first": f"{rendered[g.members[0]].request.path}:"
             f"{rendered[g.members[0]].request.line}", "fingerprints": g.fingerprints, "prompt_tokens": total,

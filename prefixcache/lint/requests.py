@@ -1,4 +1,5 @@
-"""Load OpenAI/Anthropic request JSON or JSONL and plain-text templates into one shape: ordered text fields.
+"""Load OpenAI/Anthropic request JSON or JSONL and plain-text templates into one shape: the ordered text fields that
+prefixcache/prompt.py reads from a request (a template is one system field).
 
 Location convention: `line:col` are 1-based and point at the offending character in the file as written. Inside a
 JSON string the column counts raw characters, so an escape such as `\\n` counts as two. When the text cannot be
@@ -9,17 +10,9 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from prefixcache.prompt import Field, fields
+
 PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}|\{(\w+)\}")
-BLOCK_SEP = "\n"  # between content blocks of one message (Anthropic blocks, OpenAI text parts)
-
-
-@dataclass
-class Field:
-    name: str  # "tools[0]", "system", "messages[2].content[1].text", "template"
-    message_index: int | None  # index into the request's `messages`; None for tools and Anthropic system
-    role: str
-    text: str
-    breakpoint: bool = False  # a cache_control marker ends the cacheable prefix after this field
 
 
 @dataclass
@@ -29,7 +22,7 @@ class Request:
     start: int  # char range of this request in file_text
     end: int
     fields: list[Field]
-    tools: list[dict] = field(default_factory=list)  # as sent, cache_control removed
+    tools: list[dict] = field(default_factory=list)  # as sent
     template: bool = False  # a plain-text template: placeholders are the per-request slots
 
     @property
@@ -92,42 +85,4 @@ def parse(obj: dict, path: str, file_text: str, start: int, end: int) -> Request
     body = obj.get("request") or obj.get("body") or obj
     if not isinstance(body.get("messages"), list):
         raise ValueError(f"{path}: a request needs a `messages` list")
-    fields = []
-    tools = [_tool(t) for t in body.get("tools") or []]
-    for i, t in enumerate(body.get("tools") or []):
-        fields.append(Field(f"tools[{i}]", None, "system", json.dumps(_tool(t), ensure_ascii=False),
-                            breakpoint="cache_control" in t))
-    system = body.get("system")
-    if isinstance(system, str):
-        fields.append(Field("system", None, "system", system))
-    elif isinstance(system, list):
-        fields += [Field(f"system[{j}].text", None, "system", b.get("text", ""), "cache_control" in b)
-                   for j, b in enumerate(system)]
-    for i, m in enumerate(body["messages"]):
-        fields += _message_fields(i, m)
-    if "cache_control" in body and fields:  # Anthropic automatic caching: a breakpoint on the last block
-        fields[-1].breakpoint = True
-    return Request(path, file_text, start, end, fields, tools)
-
-
-def _tool(t: dict) -> dict:
-    return {k: v for k, v in t.items() if k != "cache_control"}
-
-
-def _message_fields(i: int, m: dict) -> list[Field]:
-    role, content = m.get("role", "user"), m.get("content")
-    fields = []
-    if isinstance(content, str):
-        fields.append(Field(f"messages[{i}].content", i, role, content))
-    for j, b in enumerate(content if isinstance(content, list) else []):
-        if isinstance(b, str):
-            fields.append(Field(f"messages[{i}].content[{j}]", i, role, b))
-        elif "text" in b:
-            fields.append(Field(f"messages[{i}].content[{j}].text", i, role, b["text"], "cache_control" in b))
-        else:  # tool_use / tool_result / images: serialized as sent
-            rest = {k: v for k, v in b.items() if k != "cache_control"}
-            fields.append(Field(f"messages[{i}].content[{j}]", i, role, json.dumps(rest, ensure_ascii=False),
-                                "cache_control" in b))
-    if m.get("tool_calls"):
-        fields.append(Field(f"messages[{i}].tool_calls", i, role, json.dumps(m["tool_calls"], ensure_ascii=False)))
-    return fields or [Field(f"messages[{i}].content", i, role, "")]
+    return Request(path, file_text, start, end, fields(body), body.get("tools") or [])

@@ -56,7 +56,7 @@ class DiffResult:
 
     def to_text(self) -> str:
         a, b, d = self.a, self.b, self.divergence
-        lines = [f"A: {a.request.path} ({len(a.ids)} tokens)", f"B: {b.request.path} ({len(b.ids)} tokens)",
+        lines = [f"A: {a.request.path} ({len(a.token_ids)} tokens)", f"B: {b.request.path} ({len(b.token_ids)} tokens)",
                  f"common prefix: {d.common_tokens} tokens; reusable for B: {d.reusable_tokens} tokens "
                  f"= {d.reusable_blocks} blocks"]
         if d.location is None:
@@ -65,7 +65,7 @@ class DiffResult:
         for name, r, loc in (("A", a, d.a_location), ("B", b, d.location)):
             where = (f"message {loc.message_index} ({loc.role}) " if loc and loc.message_index is not None else "") + \
                 (f"{loc.field} char {loc.char_offset}" if loc else "end of prompt")
-            tok = r.ids[d.token_index] if d.token_index < len(r.ids) else None
+            tok = r.token_ids[d.token_index] if d.token_index < len(r.token_ids) else None
             lines.append(f"{name}: first diverging token {d.token_index} ({tok}) at {where}")
             lines.append(f"   {context(r.text, d.char)}")
         code, detail = classify(a, b, d)
