@@ -51,6 +51,8 @@ def test_jsonl_openai_and_anthropic(tmp_path):
     w = load_jsonl(str(path), default_max_tokens=9)
     one, two = w.sessions
     assert (one.tenant, one.turns[0].arrival, one.turns[0].max_tokens) == ("a", 0.5, 5)
-    assert two.turns[0].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
-    assert two.tools[0]["function"]["name"] == "f" and two.turns[0].max_tokens == 9
+    tool = '{"description": "d", "input_schema": {"type": "object"}, "name": "f"}'  # as the server renders it
+    assert two.turns[0].messages == [{"role": "system", "content": f"# Tools\n{tool}\n\nBe brief."},
+                                     {"role": "user", "content": "hello"}]
+    assert two.tools is None and two.turns[0].max_tokens == 9
     assert w.tenants == ["a", "b"]

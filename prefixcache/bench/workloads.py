@@ -10,6 +10,8 @@ import json
 import random
 from dataclasses import dataclass, field
 
+from prefixcache.prompt import chat_messages, fields
+
 WORDS = ("the of and to in is for that on with as it by be are this from or at an not which have was all can "
          "will one has more but their other about time some into these data system user may two only new use "
          "first also any way could work each such most well over after order number should then must account "
@@ -159,25 +161,13 @@ def build(name: str, seed: int, size: Size) -> Workload:
     return load_jsonl(name, size.max_tokens)
 
 
-def _anthropic_to_openai(req: dict) -> tuple[list[dict], list[dict] | None]:
-    def flat(content) -> str:
-        if isinstance(content, str):
-            return content
-        return "\n".join(b.get("text") or json.dumps(b.get("input", b.get("content")), ensure_ascii=False)
-                         for b in content)
-
-    messages = [{"role": "system", "content": flat(req["system"])}] if req.get("system") else []
-    messages += [{"role": m["role"], "content": flat(m["content"])} for m in req["messages"]]
-    tl = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                            "parameters": t.get("input_schema", {})}} for t in req.get("tools", [])]
-    return messages, tl or None
-
-
 def load_jsonl(path: str, default_max_tokens: int) -> Workload:
     """One OpenAI chat or Anthropic messages request per line, with optional `tenant` and `arrival` (seconds).
 
-    Anthropic requests (a top-level `system`, content blocks, tools with `input_schema`) are converted to the
-    OpenAI format, so every target is driven through the same API; `cache_control` marks are dropped.
+    Anthropic requests (a top-level `system`, tools with `input_schema`) are sent as the plain chat messages our
+    server renders them into (prefixcache/prompt.py: tools as text at the top of the system message), so every
+    target is driven through the OpenAI API and ours sees the tokens its Anthropic route would; `cache_control`
+    marks are dropped.
     """
     sessions = []
     with open(path) as f:
@@ -188,7 +178,7 @@ def load_jsonl(path: str, default_max_tokens: int) -> Workload:
             if "messages" not in req:
                 raise ValueError(f"{path}:{n}: not a chat request (no `messages`)")
             anthropic = "system" in req or any(t.get("input_schema") for t in req.get("tools", []))
-            messages, tl = _anthropic_to_openai(req) if anthropic else (req["messages"], req.get("tools"))
+            messages, tl = (chat_messages(fields(req)), None) if anthropic else (req["messages"], req.get("tools"))
             max_tokens = req.get("max_tokens") or req.get("max_completion_tokens") or default_max_tokens
             sessions.append(Session([Turn(messages, max_tokens, req.get("arrival"))],
                                     tenant=req.get("tenant", "default"), tools=tl))
