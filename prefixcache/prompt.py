@@ -94,12 +94,12 @@ def fields(body: dict) -> list[Field]:
 
 
 def render(tokenizer, fields: list[Field], generation_prompt: bool = True) -> Prompt:
-    chat = _chat(fields)
-    contents = [_content(fs) for fs in chat]
-    messages = [{"role": fs[0].role, "content": content} for fs, (content, _) in zip(chat, contents)]
+    """The prompt's token ids, and where each field and each chat message sits in its text."""
+    messages = chat_messages(fields)
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
     spans, message_spans, cursor = [], [], 0
-    for fs, (content, starts) in zip(chat, contents):
+    for fs in _chat(fields):
+        content, starts = _content(fs)
         base = text.find(content, cursor)
         assert base >= 0, "the chat template must embed message content verbatim"
         message_spans.append((base, base + len(content)))
