@@ -2,11 +2,15 @@
 import argparse
 import sys
 
+from prefixcache.options import add_engine_options
+
 
 def cmd_generate(args) -> None:
     from prefixcache import LLM, SamplingParams
 
-    llm = LLM(model=args.model, enable_prefix_cache=not args.no_prefix_cache)
+    from prefixcache.options import resolve
+
+    llm = LLM(**resolve(args)[0])
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)
@@ -29,17 +33,17 @@ def cmd_serve(args) -> None:
 
     import uvicorn
 
-    from prefixcache.server.app import ServeConfig, create_app
+    from prefixcache.config import Config
+    from prefixcache.options import resolve
+    from prefixcache.server.app import SERVE_OPTIONS, ServeConfig, create_app
 
-    cfg = ServeConfig(model=args.model, api_keys=args.api_keys, prefix_cache=not args.no_prefix_cache,
-                      cache_memory_gb=args.cache_memory_gb, shared_prefixes=args.shared_prefixes,
-                      min_cache_tokens=args.min_cache_tokens, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
-                      log_cross_scope_misses=args.log_cross_scope_misses)
-    if args.host not in ("127.0.0.1", "localhost") and not args.api_keys:
-        print(f"prefixcache: warning: serving {args.host} without --api-keys: anyone who can reach it is admin",
+    engine, serve = resolve(args, SERVE_OPTIONS)
+    cfg = ServeConfig(Config(**engine), **serve)
+    if cfg.host not in ("127.0.0.1", "localhost") and not cfg.api_keys:
+        print(f"prefixcache: warning: serving {cfg.host} without --api-keys: anyone who can reach it is admin",
               file=sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info")
 
 
 def cmd_lint(args) -> None:
@@ -64,18 +68,17 @@ def cmd_diff(args) -> None:
     print(json.dumps(asdict(result.divergence), indent=2) if args.format == "json" else result.to_text())
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixcache")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("prompt")
-    p.add_argument("--model", default="")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--no-prefix-cache", action="store_true")
+    add_engine_options(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("convert", help="convert a GGUF file into an HF safetensors folder")
@@ -84,19 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("serve", help="serve the OpenAI- and Anthropic-compatible HTTP APIs")
-    p.add_argument("--model", default="")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-keys", default=None, help='JSON: {"sk-key": {"tenant": "acme", "labels": [], "admin": false}}')
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--cache-memory-gb", type=float, default=2.0, help="KV budget for live and cached blocks")
-    p.add_argument("--shared-prefixes", default=None, help="JSON list of system prompts shared by all tenants")
-    p.add_argument("--min-cache-tokens", type=int, default=1024, help="shorter prefixes are never cached")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 / 529")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
-    p.add_argument("--log-cross-scope-misses", action="store_true",
-                   help="flag in the server log the misses whose next block another scope holds (never shown to "
-                        "tenants)")
+    p.add_argument("--config", help="TOML file with any of these options (underscored names); flags override it")
+    p.add_argument("--host", help="(default: 127.0.0.1)")
+    p.add_argument("--port", type=int, help="(default: 8000)")
+    p.add_argument("--api-keys", help='JSON: {"sk-key": {"tenant": "acme", "labels": [], "admin": false}}')
+    p.add_argument("--shared-prefixes", help="JSON list of system prompts shared by all tenants")
+    p.add_argument("--max-queue", type=int, help="waiting requests before 429 / 529 (default: 64)")
+    add_engine_options(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("lint", help="lint prompt templates and logged requests for prefix-cache killers")
@@ -122,7 +119,11 @@ def main(argv: list[str] | None = None) -> None:
     from prefixcache.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         args.func(args)

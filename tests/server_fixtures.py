@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixcache.config import Config
 from prefixcache.server.app import ServeConfig, create_app
 
 KEYS = {"sk-acme": {"tenant": "acme", "labels": ["finance"]}, "sk-globex": {"tenant": "globex"},
@@ -59,8 +60,8 @@ def main_server(tmp_path_factory) -> Running:
     d = tmp_path_factory.mktemp("server")
     (d / "keys.json").write_text(json.dumps(KEYS))
     (d / "shared.json").write_text(json.dumps([SHARED_SYSTEM]))
-    return _start("main", ServeConfig(api_keys=str(d / "keys.json"), shared_prefixes=str(d / "shared.json"),
-                                      cache_memory_gb=0.25, min_cache_tokens=MIN_CACHE_TOKENS))
+    return _start("main", ServeConfig(Config(kv_cache_bytes=2**28, min_cache_tokens=MIN_CACHE_TOKENS),
+                                      api_keys=str(d / "keys.json"), shared_prefixes=str(d / "shared.json")))
 
 
 def tenants_server(tmp_path_factory, name: str, log_cross_scope_misses: bool = False) -> Running:
@@ -68,19 +69,19 @@ def tenants_server(tmp_path_factory, name: str, log_cross_scope_misses: bool = F
     d = tmp_path_factory.mktemp(name)
     (d / "keys.json").write_text(json.dumps({"sk-a": {"tenant": "a"}, "sk-b": {"tenant": "b"},
                                              "sk-admin": {"tenant": "ops", "admin": True}}))
-    return _start(name, ServeConfig(api_keys=str(d / "keys.json"), cache_memory_gb=0.25,
-                                    min_cache_tokens=MIN_CACHE_TOKENS, log_cross_scope_misses=log_cross_scope_misses))
+    return _start(name, ServeConfig(Config(kv_cache_bytes=2**28, min_cache_tokens=MIN_CACHE_TOKENS,
+                                           log_cross_scope_misses=log_cross_scope_misses), api_keys=str(d / "keys.json")))
 
 
 def tiny_server(model: str) -> Running:
     """A random-weight model (fast), no auth, everything cacheable, a budget of a few hundred KV blocks."""
-    return _start("tiny", ServeConfig(model=model, cache_memory_gb=0.002, min_cache_tokens=0))
+    return _start("tiny", ServeConfig(Config(model=model, kv_cache_bytes=2 * 2**20, min_cache_tokens=0)))
 
 
 def nocache_server() -> Running:
     """Prefix cache off, no auth, one running request and one waiting: easy to fill up."""
-    return _start("nocache", ServeConfig(prefix_cache=False, cache_memory_gb=0.1, min_cache_tokens=0, max_queue=1,
-                                         max_num_seqs=1))
+    return _start("nocache", ServeConfig(Config(enable_prefix_cache=False, kv_cache_bytes=100 * 2**20, max_num_seqs=1),
+                                         max_queue=1))
 
 
 class Pause:

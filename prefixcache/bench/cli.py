@@ -9,6 +9,7 @@ from dataclasses import asdict
 
 from prefixcache.bench.report import Prices, prices_note, table
 from prefixcache.bench.workloads import GENERATORS, Size, build, multi_tenant
+from prefixcache.options import default, size
 
 QUICK_WORKLOADS = ["shared-system-prompt", "multi-tenant"]
 
@@ -31,8 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--requests", type=int, default=None)
     p.add_argument("--prefix-tokens", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--min-cache-tokens", type=int, default=256, help="for the servers started here")
-    p.add_argument("--cache-memory-gb", type=float, default=2.0, help="for the servers started here")
+    p.add_argument("--min-cache-tokens", type=int, default=default("min_cache_tokens"),
+                   help="for the servers started here")
+    p.add_argument("--kv-cache-bytes", type=size, default=default("kv_cache_bytes"),
+                   help="for the servers started here (e.g. 2GiB)")
     p.add_argument("--no-sweeps", action="store_true")
     p.add_argument("--price-input", type=float, default=Prices.input, help="$ per million input tokens")
     p.add_argument("--price-cached", type=float, default=Prices.cached, help="$ per million cached input tokens")
@@ -72,7 +75,7 @@ def main(args) -> None:
     tenants = sorted({t for w in workloads for t in w.tenants} | set(multi_tenant(args.seed, size).tenants))
     servers = Servers(tenants, os.path.join(folder, "server.log"))
     bench = Bench(Load(users=args.users, rate=args.rate, seed=args.seed), prices,
-                  ServerOptions(cache_memory_gb=args.cache_memory_gb, min_cache_tokens=args.min_cache_tokens), servers)
+                  ServerOptions(kv_cache_bytes=args.kv_cache_bytes, min_cache_tokens=args.min_cache_tokens), servers)
     try:
         _main(args, name, folder, size, workloads, bench)
     finally:
@@ -87,7 +90,7 @@ def _main(args, name: str, folder: str, size: Size, workloads: list, bench) -> N
     prices = bench.prices
     load = f"{args.rate} req/s Poisson (open loop)" if args.rate else f"{args.users} concurrent users (closed loop)"
     setup = (f"Load: {load}, seed {args.seed}, temperature 0. Servers started here: SmolLM2-135M-Instruct, "
-             f"--min-cache-tokens {args.min_cache_tokens}, --cache-memory-gb {args.cache_memory_gb}. {prices_note(prices)}")
+             f"--min-cache-tokens {args.min_cache_tokens}, --kv-cache-bytes {args.kv_cache_bytes}. {prices_note(prices)}")
     config = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "size": asdict(size),
               "prices": asdict(prices), "cpu_count": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.action == "compare":

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixcache.options import default
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -27,9 +29,9 @@ def free_port() -> int:
 @dataclass(frozen=True)
 class ServerOptions:
     prefix_cache: bool = True
-    cache_memory_gb: float = 2.0
-    min_cache_tokens: int = 256
-    max_num_seqs: int = 16
+    kv_cache_bytes: int = default("kv_cache_bytes")
+    min_cache_tokens: int = default("min_cache_tokens")
+    max_num_seqs: int = default("max_num_seqs")
     kind: str = "prefixcache"  # or "hf": the HF transformers generate() peer
 
 
@@ -51,10 +53,10 @@ class LocalServer:
         if o.kind == "hf":
             return [sys.executable, "-m", "prefixcache.bench.hf_server", "--port", str(self.port)]
         cmd = [sys.executable, "-m", "prefixcache.cli", "serve", "--port", str(self.port),
-               "--cache-memory-gb", str(o.cache_memory_gb), "--min-cache-tokens", str(o.min_cache_tokens),
+               "--kv-cache-bytes", str(o.kv_cache_bytes), "--min-cache-tokens", str(o.min_cache_tokens),
                "--max-num-seqs", str(o.max_num_seqs)]
         if not o.prefix_cache:
-            cmd.append("--no-prefix-cache")
+            cmd.append("--no-enable-prefix-cache")
         fd, self._keyfile = tempfile.mkstemp(suffix=".json", prefix="bench-keys-")
         with os.fdopen(fd, "w") as f:
             json.dump({ADMIN_KEY: {"tenant": "bench-admin", "admin": True},

@@ -4,12 +4,13 @@ import os
 import random
 import statistics
 
+import httpx
+
 from prefixcache.bench.driver import Load, Target
 from prefixcache.bench.runs import Bench, local, measure
 from prefixcache.bench.workloads import Session, Size, Turn, Workload, multi_tenant, shared_system_prompt, system_prompt, text
 
 SUFFIX_TOKENS = 64
-KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2  # SmolLM2-135M: 2 x layers x kv_heads x head_dim x bf16
 
 
 def prefix_length(lengths: list[int], hits: int, bench: Bench) -> list[dict]:
@@ -73,10 +74,11 @@ def memory_budget(fractions: list[float], size: Size, seed: int, bench: Bench) -
     several requests per tenant, so that a tenant's prefix must survive the other tenants' requests to hit."""
     workload, users = multi_tenant(seed, size), 2
     working_set = size.tenants * size.prefix_tokens + users * (size.question_tokens + size.max_tokens + 32)
+    per_token = httpx.get(f"{local(bench, prefix_cache=True).url}/health").json()["kv_bytes_per_token"]
     points = []
     for f in fractions:
-        gb = f * working_set * KV_BYTES_PER_TOKEN / 2**30
-        srv = local(bench, prefix_cache=True, cache_memory_gb=round(gb, 4))
+        gb = f * working_set * per_token / 2**30
+        srv = local(bench, prefix_cache=True, kv_cache_bytes=int(gb * 2**30))
         s, _ = measure(workload, Target("mem", srv.url, srv.keys), bench, f"{gb * 1024:.0f} MB", srv, Load(users=users))
         points.append({"fraction_of_working_set": f, "budget_mb": gb * 1024, "hit_rate_tokens": s["hit_rate_tokens"],
                        "ttft_p50_s": s["ttft_p50_s"], "evictions": s.get("evictions"), "errors": s["errors"]})

@@ -8,7 +8,7 @@ import json
 import logging
 import os
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -34,21 +34,21 @@ log = logging.getLogger("prefixcache.request")
 
 @dataclass
 class ServeConfig:
-    model: str = ""
+    """The server's own options; the engine's are its Config."""
+
+    engine: Config = field(default_factory=Config)
+    host: str = "127.0.0.1"
+    port: int = 8000
     api_keys: str | None = None  # JSON key file; None: one local tenant, no auth
-    prefix_cache: bool = True
-    cache_memory_gb: float = 2.0
     shared_prefixes: str | None = None  # JSON list of system-prompt strings shared by all tenants
-    min_cache_tokens: int = 1024
     max_queue: int = 64  # waiting requests beyond the running batch; past it, 429 / 529
-    max_num_seqs: int = 16
-    log_cross_scope_misses: bool = False  # operator log only (see Config)
+
+
+SERVE_OPTIONS = tuple(f.name for f in fields(ServeConfig) if f.name != "engine")
 
 
 def load_engine(cfg: ServeConfig) -> Engine:
-    config = Config(model=cfg.model, enable_prefix_cache=cfg.prefix_cache, kv_cache_bytes=int(cfg.cache_memory_gb * 2**30),
-                    min_cache_tokens=cfg.min_cache_tokens, max_num_seqs=cfg.max_num_seqs,
-                    log_cross_scope_misses=cfg.log_cross_scope_misses)
+    config = cfg.engine
     if cfg.shared_prefixes:
         # the prefixes are token ids, so the tokenizer is needed before the engine exists
         from transformers import AutoTokenizer
@@ -90,7 +90,7 @@ class Server:
         if len(prompt) >= self.engine.max_model_len:
             raise ApiError(400, f"prompt has {len(prompt)} tokens; the context window is {self.engine.max_model_len}",
                            param="messages", code="context_length_exceeded")
-        if self.worker.in_flight >= self.cfg.max_num_seqs + self.cfg.max_queue:
+        if self.worker.in_flight >= self.cfg.engine.max_num_seqs + self.cfg.max_queue:
             raise ApiError(529 if api == "anthropic" else 429, "server is over capacity; retry later")
         scope = CacheScope(tenant=principal.tenant, labels=principal.labels, salt=salt)
         gen = Generation(self, self.worker.submit(prompt, params, scope, list(breakpoints)), api, principal.tenant,
@@ -125,7 +125,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": server.model_name}
+        pool = server.engine.pool
+        return {"status": "ok", "model": server.model_name, "kv_bytes_per_token": pool.block_bytes // pool.block_size}
 
     @app.get("/v1/models")
     async def models(request: Request):

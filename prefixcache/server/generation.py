@@ -108,7 +108,7 @@ class Generation:
             "ttft": round(out.ttft, 4) if out and out.ttft else None,
             "latency": round(time.monotonic() - self.start_time, 4),
         }
-        if self.server.cfg.log_cross_scope_misses:
+        if self.server.cfg.engine.log_cross_scope_misses:
             line["cross_scope_miss"] = r.cross_scope_miss
         log.info(json.dumps(line))
 
