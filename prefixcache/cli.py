@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from prefixcache.options import add_engine_options
+from prefixcache.options import add_engine_options, default
 
 
 def cmd_generate(args) -> None:
@@ -101,10 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", action="append", default=[], metavar="LOG",
                    help="a JSONL request log: also report hit rate per template, actual vs achievable")
     p.add_argument("--format", choices=["text", "json"], default="text")
-    p.add_argument("--min-tokens", type=int, default=1024, help="minimum cacheable prefix length")
+    p.add_argument("--min-tokens", type=int, default=default("min_cache_tokens"),
+                   help="the server's --min-cache-tokens (default: Config's)")
     p.add_argument("--prefix-tokens", type=int, default=0, help="only lint the first N tokens (0: up to the "
                    "last breakpoint, else up to the final message)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=default("block_size"))
     p.add_argument("--model", default="", help="GGUF file or HF folder whose tokenizer and chat template to use")
     p.set_defaults(func=cmd_lint)
 
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--format", choices=["text", "json"], default="text")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=default("block_size"))
     p.add_argument("--model", default="")
     p.set_defaults(func=cmd_diff)
 

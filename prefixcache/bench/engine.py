@@ -99,8 +99,9 @@ def _match_lock_times() -> dict:
     from prefixcache.cache.scope import CacheScope
     from prefixcache.engine.blocks import BlockManager
     from prefixcache.engine.sequence import SamplingParams, Sequence
+    from prefixcache.options import default
 
-    bs = 16
+    bs = default("block_size")
     pool = KVPool(1, 1, 1, bs, budget_bytes=(420_000 // bs + 2) * 2 * bs * 2, dtype=torch.bfloat16)
     manager = BlockManager(pool, True, 0, None, [])
     scope = CacheScope(tenant="bench", fingerprint="x")

@@ -5,14 +5,15 @@ from prefixcache.lint.fingerprint import tool_name
 from prefixcache.lint.render import Rendered
 from prefixcache.lint.report import Finding
 from prefixcache.lint.rules import RULES, volatile, whitespace
+from prefixcache.options import default
 from prefixcache.prompt import Span
 
 
 @dataclass
 class Options:
-    min_tokens: int = 1024  # minimum cacheable prefix
+    min_tokens: int = default("min_cache_tokens")  # the server's minimum cacheable prefix
     prefix_tokens: int = 0  # if set, only the first N tokens count as the reusable part
-    block_size: int = 16
+    block_size: int = default("block_size")
 
 
 class Checker:

@@ -3,6 +3,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from os.path import commonprefix
 
+from prefixcache.options import default
 from prefixcache.prompt import Prompt
 
 
@@ -26,7 +27,7 @@ class Divergence:
     a_location: Location | None = None
 
 
-def explain(a: Prompt | Sequence[int], b: Prompt, block_size: int = 16) -> Divergence:
+def explain(a: Prompt | Sequence[int], b: Prompt, block_size: int = default("block_size")) -> Divergence:
     """First divergence of request `b` from `a`: a rendered request, or token ids (e.g. the closest cached entry)."""
     a_ids = a.token_ids if isinstance(a, Prompt) else list(a)
     common = len(commonprefix([a_ids, b.token_ids]))

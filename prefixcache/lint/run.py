@@ -10,6 +10,7 @@ from prefixcache.lint.render import Rendered, load_tokenizer, render
 from prefixcache.lint.report import Finding, Report
 from prefixcache.lint.requests import load
 from prefixcache.lint.rules import RULES
+from prefixcache.options import default
 
 
 def lint(paths: list[str], opt: Options, logs: list[str] = (), model: str = "") -> Report:
@@ -73,7 +74,7 @@ class DiffResult:
         return "\n".join(lines)
 
 
-def diff(path_a: str, path_b: str, block_size: int = 16, model: str = "") -> DiffResult:
+def diff(path_a: str, path_b: str, block_size: int = default("block_size"), model: str = "") -> DiffResult:
     """First divergence between the first request of each file."""
     tok = load_tokenizer(model)
     a, b = (render(load(p)[0], tok) for p in (path_a, path_b))
