@@ -87,8 +87,11 @@ def test_completions_streaming_and_not(srv):
     c = client(srv)
     first = c.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0,
                                  extra_body={"cache_salt": "completions"})
+    with pytest.raises(openai.BadRequestError, match="some_unknown_field: this server does not support this field"):
+        c.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0,
+                             extra_body={"cache_salt": "completions", "some_unknown_field": {"x": 1}})
     second = c.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0,
-                                  extra_body={"cache_salt": "completions", "some_unknown_field": {"x": 1}})
+                                  extra_body={"cache_salt": "completions"})
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert second.choices[0].text == first.choices[0].text and first.choices[0].text

@@ -17,7 +17,7 @@ from prefixcache.cache.policy import Breakpoint
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import Prompt, fields, render
 from prefixcache.server.auth import client_salt
-from prefixcache.server.errors import ApiError, Extra, parse
+from prefixcache.server.errors import ApiError, Strict, parse
 from prefixcache.server.generation import Generation
 
 MAX_BREAKPOINTS = 4
@@ -25,17 +25,20 @@ MAX_BREAKPOINTS = 4
 router = APIRouter()
 
 
-class CacheControl(Extra):
+class CacheControl(Strict):
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] = "5m"
 
 
-class Block(Extra):
+class Block(Strict):
     type: Literal["text", "tool_use", "tool_result"]
     text: str | None = None
+    id: str | None = None  # tool_use; ignored: calls and results are rendered in order, without ids
     name: str | None = None  # tool_use
     input: Any = None  # tool_use
+    tool_use_id: str | None = None  # tool_result; ignored, as id
     content: str | list["Block"] | None = None  # tool_result
+    is_error: Literal[False] | None = None  # tool_result: an error result would need its own rendering
     cache_control: CacheControl | None = None
 
     @model_validator(mode="after")
@@ -45,18 +48,20 @@ class Block(Extra):
         return self
 
 
-class Message(Extra):
+class Message(Strict):
     role: Literal["user", "assistant"]
     content: str | list[Block] = Field(min_length=1)
 
 
-class Tool(Extra):
+class Tool(Strict):
+    type: Literal["custom"] | None = None
     name: str
+    description: str | None = None
     input_schema: dict = Field(default_factory=dict)
     cache_control: CacheControl | None = None
 
 
-class MessagesRequest(Extra):
+class MessagesRequest(Strict):
     model: str
     max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
@@ -67,6 +72,8 @@ class MessagesRequest(Extra):
     top_k: int | None = Field(None, ge=0)
     stop_sequences: list[str] | None = None
     stream: bool | None = False
+    metadata: dict[str, Any] | None = None  # informational
+    service_tier: str | None = None  # informational: one tier here
     cache_control: CacheControl | None = None
     cache_salt: str | None = None
     prompt_cache_key: str | None = None

@@ -13,10 +13,11 @@ OPENAI_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "serv
 UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[|^[A-Z]")  # pydantic's loc entries for union members
 
 
-class Extra(BaseModel):
-    """Request models accept unknown fields: clients send extensions we do not use."""
+class Strict(BaseModel):
+    """Request models refuse fields they do not declare: a field that would change the answer and is not
+    implemented must be a 400 naming it, never silently ignored. Informational fields are declared (and ignored)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
 
 class ApiError(Exception):
@@ -48,4 +49,7 @@ async def parse(request, model: type[BaseModel]):
     except ValidationError as e:
         err = max(e.errors(), key=lambda x: len(x["loc"]))  # in a union, the branch that got furthest
         param = ".".join(str(p) for p in err["loc"] if not UNION_TAG.search(str(p)))
+        if err["type"] == "extra_forbidden":
+            raise ApiError(400, f"{param}: this server does not support this field", param=param,
+                           code="unsupported_field")
         raise ApiError(400, f"{param}: {err['msg']}", param=param)

@@ -1,66 +1,82 @@
 """OpenAI-compatible endpoints: POST /v1/chat/completions and /v1/completions, streaming or not.
 
-Unknown fields are accepted and ignored. `prompt_cache_retention` is accepted; entries live until evicted
-either way. `cache_salt` and `prompt_cache_key` both narrow the cache scope (combined when both are given).
+A field not declared here is a 400 naming it (server/fields.py has the table). `prompt_cache_retention` is
+accepted; entries live until evicted either way. `cache_salt` and `prompt_cache_key` both narrow the cache scope (combined when both are given).
 Without max_tokens / max_completion_tokens a request generates at most DEFAULT_MAX_TOKENS tokens.
 Chat requests (tools, tool calls, content parts) are rendered by prefixcache/prompt.py.
 """
 import json
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import fields, render
 from prefixcache.server.auth import client_salt
-from prefixcache.server.errors import ApiError, Extra, parse
+from prefixcache.server.errors import ApiError, Strict, parse
 from prefixcache.server.generation import Generation
 
 DEFAULT_MAX_TOKENS = 256
+MAX_STOP = 4  # stop sequences, as OpenAI allows
 
 router = APIRouter()
 
 
-class TextPart(Extra):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(Extra):
+class FunctionCall(Strict):
     name: str
     arguments: str
 
 
-class ToolCall(Extra):
+class ToolCall(Strict):
+    id: str | None = None  # ignored: calls and results are rendered in order, without ids
+    type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(Extra):
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # ignored: the chat template has no speaker names
     tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None  # ignored, as ToolCall.id
+
+    @model_validator(mode="after")
+    def has_content(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content is required in a {self.role} message")
+        return self
 
 
-class StreamOptions(Extra):
+class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # ignored: nothing to obfuscate on a local server
 
 
-class Common(Extra):
+class Common(Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = None
     n: Literal[1] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # informational
+    safety_identifier: str | None = None  # informational
+    metadata: dict[str, str] | None = None  # informational
+    service_tier: str | None = None  # informational: one tier here
+    store: bool | None = None  # informational: nothing is stored
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     cache_salt: str | None = None

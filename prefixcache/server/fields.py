@@ -1,0 +1,79 @@
+"""Every request field of both APIs in one table: supported, accepted but ignored (and why), or refused.
+
+The request models (openai.py, anthropic.py) declare exactly the supported and ignored fields and refuse any
+other with a 400 naming it; tests hold the models, this table and the README's copy of it (`markdown()`) to
+each other. Refused rows list the fields clients commonly send, with the reason, and an example value.
+"""
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED, IGNORED, REFUSED = "supported", "accepted, ignored", "refused (400)"
+
+
+@dataclass(frozen=True)
+class Row:
+    api: str  # "openai" (both endpoints unless the note says) or "anthropic"
+    field: str
+    status: str
+    note: str = ""
+    example: Any = None  # refused rows: a value a client would send
+
+
+def _rows(api: str, status: str, notes: dict[str, str]) -> list[Row]:
+    return [Row(api, f, status, note) for f, note in notes.items()]
+
+
+def _refused(api: str, examples: dict[str, tuple[Any, str]]) -> list[Row]:
+    return [Row(api, f, REFUSED, note, example) for f, (example, note) in examples.items()]
+
+
+TABLE: list[Row] = [
+    *_rows("openai", SUPPORTED, {
+        "model": "the served model's name or `default`",
+        "messages": "chat: system, developer, user, assistant (with `tool_calls`), tool",
+        "tools": "chat: rendered into the system prompt, as the chat template does",
+        "prompt": "completions: one string or token-id list",
+        "max_tokens": "", "max_completion_tokens": "", "temperature": "0 to 2", "top_p": "", "seed": "",
+        "stop": "at most 4", "n": "1 only", "stream": "", "stream_options": "`include_usage`",
+        "prompt_cache_key": "narrows the cache scope", "cache_salt": "narrows the cache scope",
+        "prompt_cache_retention": "`in_memory` or `24h`: entries live until evicted either way",
+    }),
+    *_rows("openai", IGNORED, {
+        "user": "informational", "safety_identifier": "informational", "metadata": "informational",
+        "service_tier": "one tier here", "store": "nothing is stored",
+    }),
+    *_refused("openai", {
+        "logit_bias": ({"1": 5}, "not implemented yet"), "logprobs": (True, "not implemented yet"),
+        "top_logprobs": (2, "not implemented yet"), "presence_penalty": (0.5, "not implemented yet"),
+        "frequency_penalty": (0.5, "not implemented yet"), "response_format": ({"type": "json_object"},
+                                                                                 "not implemented yet"),
+        "tool_choice": ("required", "tool calls are not parsed yet"),
+        "parallel_tool_calls": (False, "tool calls are not parsed yet"),
+        "best_of": (2, "not implemented yet"), "echo": (True, "completions: not implemented yet"),
+        "suffix": ("}", "completions: no fill-in-the-middle"), "functions": ([], "deprecated: use tools"),
+        "function_call": ("auto", "deprecated: use tool_choice"), "audio": ({}, "text only"),
+        "modalities": (["audio"], "text only"), "prediction": ({}, "no predicted outputs"),
+        "reasoning_effort": ("low", "not a reasoning model"), "web_search_options": ({}, "no tools of our own"),
+    }),
+    *_rows("anthropic", SUPPORTED, {
+        "model": "the served model's name or `default`", "max_tokens": "",
+        "messages": "text, `tool_use` and `tool_result` blocks (`is_error` false only)",
+        "system": "a string or text blocks", "tools": "rendered into the system prompt",
+        "temperature": "0 to 1", "top_p": "", "top_k": "", "stop_sequences": "", "stream": "",
+        "cache_control": "on tools, system and message blocks, or top level: `5m` or `1h`, at most 4",
+        "cache_salt": "extension: narrows the cache scope", "prompt_cache_key": "extension: narrows the cache scope",
+    }),
+    *_rows("anthropic", IGNORED, {"metadata": "informational", "service_tier": "one tier here"}),
+    *_refused("anthropic", {
+        "tool_choice": ({"type": "any"}, "tool calls are not parsed yet"),
+        "thinking": ({"type": "enabled", "budget_tokens": 1024}, "not a reasoning model"),
+        "container": ("c", "no code execution"), "mcp_servers": ([], "no MCP connector"),
+    }),
+]
+
+
+def markdown() -> str:
+    """The table as the README shows it."""
+    lines = ["| API | field | status | note |", "|---|---|---|---|"]
+    lines += [f"| {r.api} | `{r.field}` | {r.status} | {r.note} |" for r in TABLE]
+    return "\n".join(lines)
