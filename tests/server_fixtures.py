@@ -78,6 +78,11 @@ def tiny_server(model: str) -> Running:
     return _start("tiny", ServeConfig(Config(model=model, kv_cache_bytes=2 * 2**20, min_cache_tokens=0)))
 
 
+def fuzz_server(model: str) -> Running:
+    """A random-weight model with a short context (so fuzzed max_tokens stay cheap), no auth."""
+    return _start("fuzz", ServeConfig(Config(model=model, kv_cache_bytes=8 * 2**20, max_model_len=256)))
+
+
 def nocache_server() -> Running:
     """Prefix cache off, no auth, one running request and one waiting: easy to fill up."""
     return _start("nocache", ServeConfig(Config(enable_prefix_cache=False, kv_cache_bytes=100 * 2**20, max_num_seqs=1),

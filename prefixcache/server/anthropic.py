@@ -9,15 +9,15 @@ import json
 import uuid
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import Prompt, fields, render
-from prefixcache.server.auth import client_salt
-from prefixcache.server.errors import ApiError, Strict, parse
+from prefixcache.server.auth import Principal, client_salt, principal
+from prefixcache.server.errors import ApiError, Strict
 from prefixcache.server.generation import Generation
 
 MAX_BREAKPOINTS = 4
@@ -112,10 +112,8 @@ def stop_reason(tokenizer, gen: Generation, stops: list[str]) -> tuple[str, str 
 
 
 @router.post("/v1/messages")
-async def messages(request: Request):
+async def messages(request: Request, req: MessagesRequest, caller: Principal = Depends(principal)):
     server = request.app.state.server
-    principal = server.auth(request)
-    req = await parse(request, MessagesRequest)
     server.check_model(req.model)
     if req.max_tokens >= server.engine.max_model_len:
         raise ApiError(400, f"max_tokens must be below the context window ({server.engine.max_model_len})")
@@ -123,7 +121,7 @@ async def messages(request: Request):
     stops = [s for s in req.stop_sequences or [] if s]
     params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p or 1.0,
                             top_k=req.top_k or 0, max_tokens=req.max_tokens, stop=stops)
-    gen = await server.generate(request, "anthropic", principal, prompt.token_ids, params,
+    gen = await server.generate(request, "anthropic", caller, prompt.token_ids, params,
                                 client_salt(req.cache_salt, req.prompt_cache_key),
                                 breakpoints, where=prompt.where)
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": server.model_name}

@@ -4,6 +4,7 @@ Model names: a request may name the served model (e.g. "SmolLM2-135M-Instruct.Q4
 else is a 404 in that API's format.
 """
 import asyncio
+import importlib.metadata
 import json
 import logging
 import os
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -22,7 +25,7 @@ from prefixcache.engine.engine import Engine
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import encode_system
 from prefixcache.server.auth import Principal, authenticate, load_keys
-from prefixcache.server.errors import ApiError
+from prefixcache.server.errors import ApiError, invalid
 from prefixcache.server.generation import Generation
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.worker import EngineWorker
@@ -100,7 +103,7 @@ class Server:
 
 
 def create_app(cfg: ServeConfig) -> FastAPI:
-    from prefixcache.server import anthropic, openai
+    from prefixcache.server import anthropic, openai, tokens
 
     server = Server(cfg, load_engine(cfg))
 
@@ -115,6 +118,15 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app.state.server = server
     app.include_router(openai.router)
     app.include_router(anthropic.router)
+    app.include_router(tokens.router)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, e: RequestValidationError):
+        return await api_error(request, invalid(e.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # unparsable bodies, unknown paths and methods
+        return await api_error(request, ApiError(e.status_code, str(e.detail)))
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -132,7 +144,11 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     async def models(request: Request):
         server.auth(request)
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                            "owned_by": "prefixcache"}]}
+                                            "owned_by": "prefixcache", "max_model_len": server.engine.max_model_len}]}
+
+    @app.get("/version")
+    async def version():
+        return {"version": importlib.metadata.version("prefixcache")}
 
     @app.get("/metrics")
     async def metrics(request: Request):

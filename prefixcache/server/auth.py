@@ -6,6 +6,8 @@ Without a key file the server has one tenant, "local", and no authentication.
 import json
 from dataclasses import dataclass
 
+from fastapi import Request
+
 from prefixcache.server.errors import ApiError
 
 
@@ -24,6 +26,12 @@ def load_keys(path: str) -> dict[str, Principal]:
         raw = json.load(f)
     return {key: Principal(v["tenant"], tuple(sorted(v.get("labels", []))), bool(v.get("admin", False)))
             for key, v in raw.items()}
+
+
+def principal(request: Request) -> Principal:
+    """FastAPI dependency: the caller, from its API key (resolved before the body is validated, so a bad key is
+    a 401 whatever the body)."""
+    return authenticate(request.app.state.server.keys, request.headers)
 
 
 def client_salt(cache_salt: str | None, prompt_cache_key: str | None) -> str:

@@ -1,9 +1,8 @@
-"""ApiError and its two renderings (OpenAI's and Anthropic's error bodies), and request-body parsing."""
-import json
+"""ApiError and its two renderings (OpenAI's and Anthropic's error bodies), and request-body validation errors."""
 import re
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -35,21 +34,16 @@ class ApiError(Exception):
         return JSONResponse({"type": "error", "error": {"type": kind, "message": self.message}}, self.status)
 
 
-async def parse(request, model: type[BaseModel]):
-    """The request body as `model`, or a 400 ApiError naming the first bad field."""
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}")
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = max(e.errors(), key=lambda x: len(x["loc"]))  # in a union, the branch that got furthest
-        param = ".".join(str(p) for p in err["loc"] if not UNION_TAG.search(str(p)))
-        if err["type"] == "extra_forbidden":
-            raise ApiError(400, f"{param}: this server does not support this field", param=param,
-                           code="unsupported_field")
-        raise ApiError(400, f"{param}: {err['msg']}", param=param)
+def invalid(errors: list[dict]) -> ApiError:
+    """A request body that failed validation (pydantic's errors, as FastAPI collects them) as a 400 naming the
+    first bad field."""
+    if any(e["type"] == "json_invalid" for e in errors):
+        return ApiError(400, "request body is not valid JSON")
+    err = max(errors, key=lambda x: len(x["loc"]))  # in a union, the branch that got furthest
+    param = ".".join(str(p) for p in err["loc"][1:] if not UNION_TAG.search(str(p)))  # loc[0] is "body"
+    if not param:
+        return ApiError(400, f"request body: {err['msg']}")
+    if err["type"] == "extra_forbidden":
+        return ApiError(400, f"{param}: this server does not support this field", param=param,
+                        code="unsupported_field")
+    return ApiError(400, f"{param}: {err['msg']}", param=param)

@@ -10,14 +10,14 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import fields, render
-from prefixcache.server.auth import client_salt
-from prefixcache.server.errors import ApiError, Strict, parse
+from prefixcache.server.auth import Principal, client_salt, principal
+from prefixcache.server.errors import ApiError, Strict
 from prefixcache.server.generation import Generation
 
 DEFAULT_MAX_TOKENS = 256
@@ -122,15 +122,13 @@ def usage(gen: Generation) -> dict:
             "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
-async def complete(request: Request, model: type[Common], chat: bool):
+async def complete(request: Request, req: Common, caller: Principal, chat: bool):
     server = request.app.state.server
-    principal = server.auth(request)
-    req = await parse(request, model)
     server.check_model(req.model)
     rendered = render(server.tokenizer, fields(req.model_dump(exclude_unset=True))) if chat else None
     prompt = rendered.token_ids if rendered else completion_prompt(server.tokenizer, req)
     params = req.sampling(server.engine.max_model_len)
-    gen = await server.generate(request, "openai", principal, prompt, params, req.salt,
+    gen = await server.generate(request, "openai", caller, prompt, params, req.salt,
                                 where=rendered.where if rendered else None)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     base = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -172,10 +170,10 @@ async def complete(request: Request, model: type[Common], chat: bool):
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(request: Request):
-    return await complete(request, ChatRequest, chat=True)
+async def chat_completions(request: Request, body: ChatRequest, caller: Principal = Depends(principal)):
+    return await complete(request, body, caller, chat=True)
 
 
 @router.post("/v1/completions")
-async def completions(request: Request):
-    return await complete(request, CompletionRequest, chat=False)
+async def completions(request: Request, body: CompletionRequest, caller: Principal = Depends(principal)):
+    return await complete(request, body, caller, chat=False)
