@@ -1,0 +1,65 @@
+"""Guides compile with xgrammar and mask exactly the tokens their grammar forbids."""
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from prefixcache.config import default_model_path
+from prefixcache.engine.grammar import Grammars, Guide
+from prefixcache.models.loader import converted_folder
+
+VOCAB, EOS = 49152, (2,)
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    tok = AutoTokenizer.from_pretrained(converted_folder(default_model_path()))
+    return tok, Grammars(tok, VOCAB, EOS)
+
+
+def _greedy_walk(tok, grammars, guide: Guide, scores: torch.Tensor, limit: int = 64) -> str:
+    """Follow the highest-scoring allowed token until the grammar ends: what greedy decoding would emit."""
+    m, ids = grammars.matcher(guide), []
+    for _ in range(limit):
+        logits = scores.clone()
+        m.mask(logits)
+        token = int(logits.argmax())
+        m.accept(token)
+        if m.done:
+            return tok.decode(ids)
+        ids.append(token)
+    raise AssertionError(f"grammar did not finish in {limit} tokens: {tok.decode(ids)!r}")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_walks_end_in_text_the_guide_accepts(grammars, seed):
+    tok, g = grammars
+    scores = torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    out = json.loads(_greedy_walk(tok, g, Guide("json_schema", json.dumps(schema)), scores))
+    assert set(out) == {"ok", "n"} and isinstance(out["ok"], bool) and out["n"] in (1, 2, 3)
+    assert _greedy_walk(tok, g, Guide("choice", json.dumps(["red", "green (dark)", "blue?"])), scores) in \
+        ("red", "green (dark)", "blue?")
+    assert _greedy_walk(tok, g, Guide("regex", r"[0-9]{3}-[a-z]{2}"), scores)[3] == "-"
+
+
+def test_the_mask_forbids_and_allows(grammars):
+    tok, g = grammars
+    m = g.matcher(Guide("choice", json.dumps(["yes", "no"])))
+    logits = torch.zeros(VOCAB)
+    m.mask(logits)
+    allowed = torch.isfinite(logits).nonzero().flatten().tolist()
+    assert allowed and all(any(c.startswith(tok.decode([t])) for c in ("yes", "no")) for t in allowed)
+    assert EOS[0] not in allowed  # nothing chosen yet: the grammar cannot end
+
+
+def test_bad_guides_are_value_errors(grammars):
+    _, g = grammars
+    with pytest.raises(ValueError, match="json_schema"):
+        g.matcher(Guide("json_schema", "{not json"))
+    with pytest.raises(ValueError, match="regex"):
+        g.matcher(Guide("regex", "(unclosed"))
+    with pytest.raises(ValueError, match="guide kind"):
+        Guide("yaml")
