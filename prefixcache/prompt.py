@@ -119,6 +119,30 @@ def encode_system(tokenizer, text: str) -> list[int]:
     return render(tokenizer, [Field("system", None, "system", text)], generation_prompt=False).token_ids
 
 
+def tool_calls(text: str, names: set[str]) -> list[tuple[str, object]] | None:
+    """The calls in a model's reply written as this renderer writes them (one {"tool_use": name, "input": ...}
+    per line), to tools in `names`; None if the reply is anything else."""
+    calls = []
+    for line in text.strip().splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            return None
+        if not (isinstance(obj, dict) and set(obj) == {"tool_use", "input"} and obj["tool_use"] in names):
+            return None
+        calls.append((obj["tool_use"], obj["input"]))
+    return calls or None
+
+
+def call_schema(tools: dict[str, dict]) -> dict:
+    """A JSON schema (tool name -> its parameters' schema) whose instances are one call to one of the tools, as
+    this renderer writes it: structured output can then force a valid call."""
+    options = [{"type": "object", "additionalProperties": False, "required": ["tool_use", "input"],
+                "properties": {"tool_use": {"const": name}, "input": params or {"type": "object"}}}
+               for name, params in tools.items()]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
 def _message(i: int, m: dict) -> list[Field]:
     role, content, name = ROLES.get(m["role"], m["role"]), m.get("content"), f"messages[{i}].content"
     if isinstance(content, str):

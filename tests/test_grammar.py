@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 from prefixcache.config import default_model_path
 from prefixcache.engine.grammar import Grammars, Guide
 from prefixcache.models.loader import converted_folder
+from prefixcache.prompt import call_schema, tool_calls
 
 VOCAB, EOS = 49152, (2,)
 
@@ -63,3 +64,16 @@ def test_bad_guides_are_value_errors(grammars):
         g.matcher(Guide("regex", "(unclosed"))
     with pytest.raises(ValueError, match="guide kind"):
         Guide("yaml")
+
+
+def test_a_forced_tool_call_is_one_the_renderer_reads_back(grammars):
+    tok, g = grammars
+    tools = {"get_weather": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}},
+                             "required": ["city"], "additionalProperties": False},
+             "get_time": {"type": "object", "properties": {}, "additionalProperties": False}}
+    for seed in range(4):
+        scores = torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed))
+        text = _greedy_walk(tok, g, Guide("json_schema", json.dumps(call_schema(tools))), scores)
+        [(name, arguments)] = tool_calls(text, set(tools))
+        assert name in tools and (arguments in ({"city": "Oslo"}, {"city": "Lima"}) if name == "get_weather"
+                                  else arguments == {})

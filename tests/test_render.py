@@ -15,6 +15,7 @@ from prefixcache.lint.render import render as lint_render
 from prefixcache.lint.requests import load
 from prefixcache.lint.run import diff
 from prefixcache.models.loader import converted_folder
+from prefixcache import prompt
 from prefixcache.prompt import fields, render
 
 SYSTEM = long_system("render", 8)
@@ -110,3 +111,21 @@ def test_bench_jsonl(tmp_path, tok, ids):
     sent = [render(tok, fields({"messages": s.turns[0].messages, "tools": s.tools})).token_ids
             for s in load_jsonl(str(path), 1).sessions]
     assert sent == [ids["openai"], ids["anthropic"]]
+
+
+def test_tool_calls_are_read_back_as_written():
+    names = {"get_weather", "get_time"}
+    call = '{"tool_use": "get_weather", "input": {"city": "Oslo"}}'  # as the renderer writes a call
+    assert render_call("get_weather", {"city": "Oslo"}) == call
+    assert prompt.tool_calls(call, names) == [("get_weather", {"city": "Oslo"})]
+    two = call + "\n" + render_call("get_time", {})
+    assert prompt.tool_calls(two, names) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    for not_a_call in ("It is sunny.", call + " and more", render_call("rm_rf", {}), '{"tool_use": "get_time"}', ""):
+        assert prompt.tool_calls(not_a_call, names) is None
+
+
+def render_call(name: str, arguments) -> str:
+    """The text the renderer gives an assistant turn that is one tool call."""
+    [f] = fields({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": name,
+                                                                   "input": arguments}]}]})
+    return f.text
