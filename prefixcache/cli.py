@@ -30,6 +30,7 @@ def cmd_convert(args) -> None:
 
 def cmd_serve(args) -> None:
     import logging
+    import signal
 
     import uvicorn
 
@@ -43,6 +44,9 @@ def cmd_serve(args) -> None:
         print(f"prefixcache: warning: serving {cfg.host} without --api-keys: anyone who can reach it is admin",
               file=sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler it found: make that
+    # handler a no-op, so a graceful shutdown exits 0
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info")
 
 

@@ -8,6 +8,8 @@ import importlib.metadata
 import json
 import logging
 import os
+import signal
+import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
 from typing import Callable
@@ -24,7 +26,7 @@ from prefixcache.config import Config
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import encode_system
-from prefixcache.server.auth import Principal, authenticate, load_keys
+from prefixcache.server.auth import Keys, Principal, authenticate
 from prefixcache.server.errors import ApiError, invalid
 from prefixcache.server.generation import Generation
 from prefixcache.server.metrics import Metrics
@@ -73,7 +75,7 @@ class Server:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
-        self.keys = load_keys(cfg.api_keys) if cfg.api_keys else None
+        self.keys = Keys(cfg.api_keys) if cfg.api_keys else None
         self.metrics = Metrics(engine.model_name)
         self.worker: EngineWorker | None = None  # started with the event loop
 
@@ -109,8 +111,11 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.worker = EngineWorker(server.engine, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        server.worker = EngineWorker(server.engine, loop)
         server.worker.start()
+        if server.keys and threading.current_thread() is threading.main_thread():  # signals reach the main thread
+            loop.add_signal_handler(signal.SIGHUP, server.keys.reload)
         yield
         server.worker.stop()
 

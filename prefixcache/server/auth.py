@@ -1,9 +1,13 @@
 """API keys: each key names a tenant, its labels, and whether it may administer the whole cache.
 
 `--api-keys FILE` is JSON: {"sk-key": {"tenant": "acme", "labels": ["finance"], "admin": false}, ...}.
-Without a key file the server has one tenant, "local", and no authentication.
+Without a key file the server has one tenant, "local", and no authentication. Keys are held only as SHA-256
+digests and compared in constant time; the file is read again on SIGHUP. No key is ever logged.
 """
+import hashlib
+import hmac
 import json
+import logging
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -20,12 +24,31 @@ class Principal:
 
 LOCAL = Principal("local", admin=True)
 
+log = logging.getLogger("prefixcache.auth")
 
-def load_keys(path: str) -> dict[str, Principal]:
-    with open(path) as f:
-        raw = json.load(f)
-    return {key: Principal(v["tenant"], tuple(sorted(v.get("labels", []))), bool(v.get("admin", False)))
-            for key, v in raw.items()}
+
+class Keys:
+    def __init__(self, path: str):
+        self.path = path
+        self.entries = _read(path)
+
+    def lookup(self, key: str) -> Principal | None:
+        """The key's principal. Every stored digest is compared, in constant time, so the time taken tells
+        nothing about which keys exist or how much of one matched."""
+        digest, found = _digest(key), None
+        for stored, p in self.entries:
+            if hmac.compare_digest(stored, digest):
+                found = p
+        return found
+
+    def reload(self) -> None:
+        """Read the file again (on SIGHUP); a file that does not parse leaves the current keys in force."""
+        try:
+            self.entries = _read(self.path)
+        except (OSError, ValueError, KeyError) as e:
+            log.error("API keys not reloaded from %s: %s", self.path, type(e).__name__)
+            return
+        log.info("API keys reloaded: %d keys", len(self.entries))
 
 
 def principal(request: Request) -> Principal:
@@ -39,12 +62,23 @@ def client_salt(cache_salt: str | None, prompt_cache_key: str | None) -> str:
     return "\x1f".join(s for s in (cache_salt, prompt_cache_key) if s)
 
 
-def authenticate(keys: dict[str, Principal] | None, headers) -> Principal:
+def authenticate(keys: Keys | None, headers) -> Principal:
     if keys is None:
         return LOCAL
     auth = headers.get("authorization", "")
     key = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
-    principal = keys.get(key)
+    principal = keys.lookup(key)
     if principal is None:
         raise ApiError(401, "invalid API key" if key else "missing API key", code="invalid_api_key")
     return principal
+
+
+def _read(path: str) -> list[tuple[bytes, Principal]]:
+    with open(path) as f:
+        raw = json.load(f)
+    return [(_digest(key), Principal(v["tenant"], tuple(sorted(v.get("labels", []))), bool(v.get("admin", False))))
+            for key, v in raw.items()]
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()

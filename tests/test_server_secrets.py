@@ -1,0 +1,78 @@
+"""Secrets: API keys and tenants' prompts never reach the logs, and the keys file reloads on SIGHUP."""
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+from server_fixtures import KEYS, main_server, until
+
+from prefixcache.server.auth import Keys
+
+SECRET_PROMPT = "The merger code name is BLUE HERON; tell no one."
+
+
+def test_keys_and_prompts_never_reach_the_logs(tmp_path_factory, caplog):
+    srv = main_server(tmp_path_factory)
+    with caplog.at_level(logging.DEBUG):
+        for key in ("sk-acme", "sk-not-a-key"):
+            httpx.post(f"{srv.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                       json={"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": SECRET_PROMPT}]})
+        httpx.get(f"{srv.url}/metrics", headers={"x-api-key": "sk-globex"})
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert '"status": 200' in text and '"status": 401' in text and '"status": 403' in text  # the lines exist
+    for secret in (*KEYS, "sk-not-a-key", "BLUE HERON"):
+        assert secret not in text
+
+
+def test_lookup(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"sk-a": {"tenant": "a", "labels": ["y", "x"]}, "sk-b": {"tenant": "b", "admin": True}}))
+    keys = Keys(str(path))
+    assert keys.lookup("sk-a").labels == ("x", "y") and keys.lookup("sk-b").admin
+    assert keys.lookup("sk-c") is None and keys.lookup("") is None and keys.lookup("sk-a ") is None
+
+
+@pytest.fixture
+def served(tiny_model, tmp_path):
+    """`prefixcache serve` as its own process (signals go to its main thread)."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-old": {"tenant": "a"}}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "prefixcache.cli", "serve", "--port", str(port), "--model",
+                             tiny_model, "--api-keys", str(keys)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, "server exited"
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    until(up, timeout=120)
+    yield url, keys, proc
+    proc.terminate()
+    assert proc.wait(30) == 0  # SIGTERM: a clean exit
+
+
+def test_sighup_reloads_the_keys_file(served):
+    url, keys, proc = served
+
+    def status(key: str) -> int:
+        return httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code
+
+    assert (status("sk-old"), status("sk-new")) == (200, 401)
+    keys.write_text(json.dumps({"sk-new": {"tenant": "a"}}))
+    os.kill(proc.pid, signal.SIGHUP)
+    until(lambda: status("sk-new") == 200)
+    assert status("sk-old") == 401
+    keys.write_text("{broken")  # a bad file keeps the keys in force
+    os.kill(proc.pid, signal.SIGHUP)
+    until(lambda: proc.poll() is None and status("sk-new") == 200)
