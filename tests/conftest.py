@@ -70,9 +70,10 @@ def generate_with_logits(llm, prompts, params=GREEDY, **kwargs):
     seen: dict[int, list[torch.Tensor]] = {}
     sample = llm.engine.sampler.sample
 
-    def recording(logits, seq_id, p):
-        seen.setdefault(seq_id, []).append(logits.clone())
-        return sample(logits, seq_id, p)
+    def recording(logits, seqs):
+        for row, seq in zip(logits, seqs):
+            seen.setdefault(seq.id, []).append(row.clone())
+        return sample(logits, seqs)
 
     llm.engine.sampler.sample = recording
     try:

@@ -2,6 +2,7 @@
 
 It sits between the engine and the cache: the cache knows scope keys, tokens and block ids; this knows requests.
 """
+import dataclasses
 import math
 
 import numpy as np
@@ -38,8 +39,14 @@ class BlockManager:
         n_full = len(seq.tokens) // self.bs
         c.keys = chain_keys(seq.tokens, [self._scope(seq, (j + 1) * self.bs).key for j in range(n_full)], self.bs)
 
+    def reads_cache(self, seq: Sequence) -> bool:
+        """A request that wants prompt logprobs computes its whole prompt: cached positions have no logits."""
+        return self.cache.enabled and seq.prompt_logprobs is None
+
     def match(self, seq: Sequence, limit: int | None = None) -> Match:
         """The cached prefix of the sequence, by default leaving its last token to compute."""
+        if not self.reads_cache(seq):
+            limit = 0
         c = seq.cache
         scopes = [self._scope(seq, (j + 1) * self.bs).key for j in range(len(c.keys))]
         partial_scopes = (seq.scope.key, seq.scope.shared.key) if c.shared_len else (seq.scope.key,)
@@ -70,6 +77,23 @@ class BlockManager:
         c.nodes = list(m.nodes)
         if c.num_cached is None:  # accounting belongs to the first admission only
             self._account(seq, m)
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Start child (the same prompt) from parent's computed tokens: share its full blocks, copy the partial last
+        one. The child reads nothing from the cache and writes no prompt token; False if the copy does not fit."""
+        n_full, part = divmod(parent.num_computed, self.bs)
+        if part and not self._reserve(1):
+            return False
+        child.block_table = parent.block_table[:n_full] + (self.pool.allocate(1) if part else [])
+        for b in child.block_table[:n_full]:
+            self.pool.ref(b)
+        if part:
+            self.pool.copy(parent.block_table[n_full], child.block_table[n_full], part)
+        child.num_computed = parent.num_computed
+        p = parent.cache
+        child.cache = dataclasses.replace(p, keys=list(p.keys), nodes=list(p.nodes), partials_done=set(p.partials_done),
+                                          write={}, write_counted=child.num_prompt)
         return True
 
     def grow(self, seq: Sequence, n_tokens: int) -> bool:
@@ -153,7 +177,7 @@ class BlockManager:
         """Why the cached match stopped where it did (at token len(m)). The tenant sees this answer, so it may
         depend only on the scopes the request can read (its own and the shared one): every key looked up here
         is chained from one of those scopes, never from another tenant's."""
-        if not self.cache.enabled:
+        if not self.reads_cache(seq):
             return "disabled"
         if len(m) == len(seq.tokens) - 1:
             return "hit"

@@ -13,9 +13,9 @@ from prefixcache.config import Config
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.detokenizer import Detokenizer
 from prefixcache.engine.runner import ModelRunner
-from prefixcache.engine.sampler import Sampler
+from prefixcache.engine.sampler import Sampler, logprobs
 from prefixcache.engine.scheduler import Scheduler
-from prefixcache.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
+from prefixcache.engine.sequence import RequestOutput, SamplingParams, Sequence, Status, TokenLogprob
 from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
 
@@ -40,7 +40,8 @@ class Engine:
                                     config.default_ttl, config.shared_prefixes, config.log_cross_scope_misses)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps)
         self.runner = ModelRunner(Llama(weights, config.attn_tile), self.pool)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.model_config.eos_token_ids)
+        self.prompt_tokens_computed = 0  # prompt tokens prefilled (a cache hit skips them, n samples share them)
         self.ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
 
     def add_request(self, prompt: list[int], params: SamplingParams, scope: CacheScope | None = None,
@@ -58,8 +59,19 @@ class Engine:
         room = self.pool.usable_blocks - self.blocks.cache.num_pinned
         if needed > room:  # it could never be admitted: waiting would hang
             raise ValueError(f"prompt needs {needed} KV blocks; the budget leaves {room} (pinned entries excluded)")
-        seq = Sequence(prompt, params, self.scope(scope), list(breakpoints), priority)
-        seq.detok = Detokenizer(self.tokenizer)
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if any(t < 0 or t >= vocab for t in ids):
+                raise ValueError(f"{name}: token ids must be in the vocabulary [0, {vocab})")
+        if params.num_samples > self.config.max_num_seqs:
+            raise ValueError(f"n and best_of must be at most {self.config.max_num_seqs} (max_num_seqs)")
+        samples = [Sequence(prompt, params.sample(i), self.scope(scope), list(breakpoints), priority)
+                   for i in range(params.num_samples)]
+        for i, seq in enumerate(samples):
+            seq.index, seq.samples = i, samples
+            seq.detok = Detokenizer(self.tokenizer)
+        seq = samples[0]
+        seq.forks = samples[1:]  # they start from its blocks once its prompt is computed
         self.scheduler.add(seq)
         return seq
 
@@ -68,21 +80,36 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
-        logits = self.runner.run(plan)
-        touched = []
+        logits, prompt_hidden = self.runner.run(plan)
+        rows, touched = [], []
         for seq, n in plan:
+            self.prompt_tokens_computed += max(0, min(seq.num_computed + n, seq.num_prompt) - seq.num_computed)
+            if seq.id in prompt_hidden:
+                self._prompt_logprobs(seq, *prompt_hidden[seq.id])
             seq.num_computed += n
             self.blocks.publish(seq)
             if seq.id in logits:
-                self._append(seq, self.sampler.sample(logits[seq.id], seq.id, seq.params))
-                touched.append(seq)
+                for s in [seq, *self._fork(seq)]:  # the samples of a request share its prompt's last logits
+                    rows.append(logits[seq.id])
+                    touched.append(s)
+        for seq, (token, logprob) in zip(touched, self.sampler.sample(torch.stack(rows), touched) if rows else []):
+            self._append(seq, token, logprob)
         return touched
 
     def abort(self, seq: Sequence) -> None:
-        if seq.status is not Status.FINISHED:
-            seq.finish_reason = "abort"
+        if seq.status is Status.FINISHED:
+            return
+        seq.finish_reason = "abort"
+        first = seq.samples[0]
+        if seq in first.forks:  # never started
+            first.forks.remove(seq)
+            seq.status = Status.FINISHED
+        else:
             self.scheduler.abort(seq)
-            self.sampler.forget(seq.id)
+        self.sampler.forget(seq.id)
+        for fork in seq.forks:  # samples that were to start from this prompt compute it themselves
+            self.scheduler.add(fork)
+        seq.forks = []
 
     def scope(self, scope: CacheScope | None = None) -> CacheScope:
         """The request scope with this engine's weights fingerprint filled in."""
@@ -117,7 +144,9 @@ class Engine:
             finish_reason=seq.finish_reason, cached_tokens=c.num_cached or 0, cache_write_tokens=dict(c.write),
             scope_kind=c.scope_kind, miss_cause=c.miss_cause,
             ttft=seq.first_token_time - seq.arrival if seq.first_token_time else None,
-            latency=end - seq.arrival if end else None,
+            latency=end - seq.arrival if end else None, index=seq.index, cumulative_logprob=seq.cumulative_logprob,
+            logprobs=seq.logprobs and list(seq.logprobs),
+            prompt_logprobs=seq.prompt_logprobs and list(seq.prompt_logprobs),
         )
 
     def stats(self) -> dict:
@@ -128,22 +157,50 @@ class Engine:
         s["running"] = len(self.scheduler.running)
         s["waiting"] = len(self.scheduler.waiting)
         s["preemptions"] = self.scheduler.num_preemptions
+        s["prompt_tokens_computed"] = self.prompt_tokens_computed
         return s
 
-    def _append(self, seq: Sequence, token: int) -> None:
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Start the samples waiting on this sequence's prompt from its blocks; returns them. One that does not fit
+        in memory now waits and prefills on its own (from the cache, if on)."""
+        started, forks, seq.forks = [], seq.forks, []
+        for fork in forks:
+            if self.blocks.fork(seq, fork):
+                self.scheduler.adopt(fork)
+                started.append(fork)
+            else:
+                self.scheduler.add(fork)
+        return started
+
+    def _prompt_logprobs(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens after positions start.. (whose hidden states these are). The LM head runs on
+        at most max_num_seqs rows per call: the row counts the exactness probe verified for it."""
+        rows = self.config.max_num_seqs
+        for i in range(0, len(hidden), rows):
+            raw = torch.log_softmax(self.runner.model.logits(hidden[i:i + rows]).float(), dim=-1)
+            p = start + i + 1
+            targets = seq.tokens[p:p + len(raw)]
+            seq.prompt_logprobs[p:p + len(raw)] = logprobs(raw, targets, [seq.params.prompt_logprobs] * len(raw))
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob) -> None:
         now = time.monotonic()
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.ttfts.append(now - seq.arrival)
         seq.tokens.append(token)
+        seq.cumulative_logprob += logprob.logprob
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprob)
         p = seq.params
-        eos = token in self.model_config.eos_token_ids and not p.ignore_eos
-        new = seq.detok.add(token)
+        # a stop token's text is not part of the output; the sampler masks them until min_tokens
+        stop_token = token in p.stop_token_ids or (token in self.model_config.eos_token_ids and not p.ignore_eos)
+        new = "" if stop_token else seq.detok.add(token)
         text = seq.detok.text
-        since = len(text) - len(new) - max(map(len, p.stop), default=0) + 1  # only new text can complete a stop
-        stop_at = min((i for i in (text.find(s, max(since, 0)) for s in p.stop) if i >= 0), default=-1)
+        stops = p.stop if len(seq.output_ids) >= p.min_tokens else []
+        since = len(text) - len(new) - max(map(len, stops), default=0) + 1  # only new text can complete a stop
+        stop_at = min((i for i in (text.find(s, max(since, 0)) for s in stops) if i >= 0), default=-1)
         seq.text = text[:stop_at] if stop_at >= 0 else text
-        if eos or stop_at >= 0:
+        if stop_token or stop_at >= 0:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
             seq.finish_reason = "length"

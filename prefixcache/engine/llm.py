@@ -3,7 +3,7 @@ from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.scope import CacheScope
 from prefixcache.config import Config
 from prefixcache.engine.engine import Engine
-from prefixcache.engine.sequence import RequestOutput, SamplingParams
+from prefixcache.engine.sequence import RequestOutput, SamplingParams, best
 from prefixcache.prompt import fields, render
 
 
@@ -15,25 +15,25 @@ class LLM:
     def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
                  scope: CacheScope | None = None, breakpoints: list[Breakpoint] = (),
                  priority: int = 0) -> list[RequestOutput]:
-        """Generate for each prompt (text, or token ids) concurrently; outputs in prompt order. Cache entries
-        written with a higher priority are evicted later."""
+        """Generate for each prompt (text, or token ids) concurrently; outputs in prompt order, params.n per prompt
+        (the best of params.best_of). Cache entries written with a higher priority are evicted later."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         token_lists = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        seqs = [self.engine.add_request(t, params, scope, breakpoints, priority) for t in token_lists]
-        while any(s.finish_reason is None for s in seqs):
+        requests = [self.engine.add_request(t, params, scope, breakpoints, priority).samples for t in token_lists]
+        while any(s.finish_reason is None for samples in requests for s in samples):
             self.engine.step()
-        return [self.engine.output(s) for s in seqs]
+        return [o for samples in requests for o in best([self.engine.output(s) for s in samples], params.n)]
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              scope: CacheScope | None = None, tools: list[dict] | None = None) -> RequestOutput | list[RequestOutput]:
-        """One conversation gives one output; a list of conversations gives a list. OpenAI-style messages and tools,
-        rendered as the server renders them."""
+        """One conversation gives one output (n > 1: a list of n); a list of conversations gives a list. OpenAI-style
+        messages and tools, rendered as the server renders them."""
         single = bool(messages) and isinstance(messages[0], dict)
         prompts = [self.encode_chat(m, tools) for m in ([messages] if single else messages)]
         outs = self.generate(prompts, params, scope)
-        return outs[0] if single else outs
+        return outs[0] if single and len(outs) == 1 else outs
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

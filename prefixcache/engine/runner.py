@@ -14,14 +14,17 @@ class ModelRunner:
         self.pool = pool
         self.bs = pool.block_size
 
-    def run(self, plan: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
-        """Compute the planned tokens; returns next-token logits for sequences that reached their last token."""
+    def run(self, plan: list[tuple[Sequence, int]]) -> tuple[dict[int, torch.Tensor], dict[int, tuple[int, torch.Tensor]]]:
+        """Compute the planned tokens. Returns next-token logits for sequences that reached their last token, and
+        for sequences that want prompt logprobs, (first position, hidden states) of the computed positions that
+        predict a prompt token."""
         decode = [seq for seq, n in plan if n == 1]
         parts = ([(decode, 1)] if decode else []) + [([seq], n) for seq, n in plan if n > 1]
-        ids, pos, slots, groups, rows, owners = [], [], [], [], [], []
+        ids, pos, slots, groups, rows, owners, prompt_rows = [], [], [], [], [], [], {}
         for members, m in parts:
             groups.append(self._group(len(ids), members, m))
             for seq in members:
+                first = len(ids)
                 for p in range(seq.num_computed, seq.num_computed + m):
                     ids.append(seq.tokens[p])
                     pos.append(p)
@@ -29,9 +32,13 @@ class ModelRunner:
                 if seq.num_computed + m == len(seq.tokens):
                     rows.append(len(ids) - 1)
                     owners.append(seq.id)
+                n_prompt = min(seq.num_computed + m, seq.num_prompt - 1) - seq.num_computed
+                if seq.prompt_logprobs is not None and n_prompt > 0:
+                    prompt_rows[seq.id] = (seq.num_computed, first, first + n_prompt)
         hidden = self.model.forward(Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), groups), self.pool)
         logits = self.model.logits(hidden[rows]) if rows else None
-        return {sid: logits[i] for i, sid in enumerate(owners)}
+        prompt = {sid: (p, hidden[a:b]) for sid, (p, a, b) in prompt_rows.items()}
+        return {sid: logits[i] for i, sid in enumerate(owners)}, prompt
 
     def _group(self, start: int, members: list[Sequence], m: int) -> AttnGroup:
         tile = self.model.tile

@@ -37,7 +37,7 @@ class Scheduler:
                 budget -= n
         plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
         for seq, m in self._admission_order():
-            if budget == 0 or len(self.running) >= self.max_num_seqs:
+            if budget == 0 or self.num_slots + 1 + len(seq.forks) > self.max_num_seqs:
                 break
             if self._waits_for_inflight(seq, m):
                 continue
@@ -52,6 +52,16 @@ class Scheduler:
         for seq in self.waiting:
             seq.skipped += 1
         return sorted(plan, key=lambda p: p[1] != 1)  # decode rows first, so they batch into one group
+
+    @property
+    def num_slots(self) -> int:
+        """Running sequences, counting the samples that will start from a running prompt."""
+        return len(self.running) + sum(len(seq.forks) for seq in self.running)
+
+    def adopt(self, seq: Sequence) -> None:
+        """Run a sample that starts from another's computed prompt (its blocks are set: BlockManager.fork)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
 
     def preempt(self, seq: Sequence) -> None:
         """Give a running sequence's blocks back (its computed blocks stay cached) and requeue it."""
@@ -83,7 +93,7 @@ class Scheduler:
     def _waits_for_inflight(self, seq: Sequence, m) -> bool:
         """True if a running prefill is computing the next block of this request's prefix: wait, then hit."""
         j = len(m.nodes)
-        if not self.blocks.cache.enabled or j >= len(seq.cache.keys):
+        if not self.blocks.reads_cache(seq) or j >= len(seq.cache.keys):
             return False
         nxt = seq.cache.keys[j]
         return any(nxt in s.cache.keys[s.num_computed // self.blocks.bs:] for s in self.running

@@ -1,12 +1,14 @@
 """A request's state as it moves through the engine, and the parameters and output a caller sees."""
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from prefixcache.cache.policy import Breakpoint, WritePolicy
 from prefixcache.cache.scope import CacheScope
 from prefixcache.engine.detokenizer import Detokenizer
+
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 
 
 @dataclass
@@ -16,8 +18,19 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     max_tokens: int = 64
     stop: list[str] = field(default_factory=list)
-    seed: int | None = None
+    seed: int | None = None  # sample i of n gets seed + i
     ignore_eos: bool = False
+    # penalties and biases, applied in this order before temperature (as vLLM does):
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, -100..100
+    min_tokens: int = 0  # EOS and stop_token_ids are masked (and stop strings ignored) until this many tokens
+    repetition_penalty: float = 1.0  # vLLM's: over prompt and output, positive logits / p, negative ones * p
+    frequency_penalty: float = 0.0  # OpenAI's, over output tokens: minus penalty * count
+    presence_penalty: float = 0.0  # OpenAI's, over output tokens: minus penalty if present
+    stop_token_ids: list[int] = field(default_factory=list)  # finish (reason "stop") on any of these tokens
+    logprobs: int | None = None  # None: none; k: each sampled token's logprob and the k most likely tokens
+    prompt_logprobs: int | None = None  # the same for prompt tokens; the prompt is then recomputed, not cached
+    n: int = 1  # samples returned
+    best_of: int | None = None  # samples generated (>= n); the n with the highest cumulative logprob are returned
 
     def __post_init__(self):
         if self.max_tokens is None or self.max_tokens < 1:
@@ -30,6 +43,45 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not all(-100 <= b <= 100 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {getattr(self, name)}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+
+    @property
+    def num_samples(self) -> int:
+        return self.best_of or self.n
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1 or self.frequency_penalty
+                    or self.presence_penalty)
+
+    def sample(self, i: int) -> "SamplingParams":
+        """The parameters of sample i of a request: its own seed; the prompt's logprobs belong to sample 0."""
+        seed = None if self.seed is None else self.seed + i
+        return replace(self, seed=seed, prompt_logprobs=self.prompt_logprobs if i == 0 else None)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model's raw logits (before penalties, biases and temperature)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their logprobs, best first
 
 
 @dataclass
@@ -46,6 +98,18 @@ class RequestOutput:
     # hit, diverged, evicted, expired, below_min_length, cold (nothing cached), disabled
     ttft: float | None  # seconds from arrival to first token
     latency: float | None
+    index: int = 0  # which of the request's samples this is
+    cumulative_logprob: float = 0.0  # of the output tokens, under the raw logits
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None for the first)
+
+
+def best(outputs: list[RequestOutput], n: int) -> list[RequestOutput]:
+    """The n of a request's samples to return: all of them in order, or (best_of > n) the n with the highest
+    cumulative logprob, best first."""
+    if len(outputs) == n:
+        return outputs
+    return sorted(outputs, key=lambda o: -o.cumulative_logprob)[:n]
 
 
 @dataclass
@@ -95,6 +159,13 @@ class Sequence:
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.index = 0  # sample index within the request
+        self.samples = [self]  # the request's samples, on each of them; samples[0] computes the prompt
+        self.forks: list[Sequence] = []  # samples waiting to start from this one's prompt (samples[0] only)
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = \
+            [None] * self.num_prompt if params.prompt_logprobs is not None else None
 
     @property
     def output_ids(self) -> list[int]:

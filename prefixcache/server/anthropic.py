@@ -127,7 +127,7 @@ async def messages(request: Request, req: MessagesRequest, caller: Principal = D
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": server.model_name}
 
     if not req.stream:
-        text = await gen.text()
+        text = (await gen.texts())[0]
         reason, seq = stop_reason(server.tokenizer, gen, stops)
         return JSONResponse({**message, "content": [{"type": "text", "text": text}], "stop_reason": reason,
                              "stop_sequence": seq, "usage": usage(gen)}, headers=gen.header())
@@ -141,7 +141,7 @@ async def messages(request: Request, req: MessagesRequest, caller: Principal = D
                                                     "stop_sequence": None, "usage": usage(gen)}})
             yield sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
             async for delta in gen.deltas():
-                yield sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta}})
+                yield sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta.text}})
             yield sse("content_block_stop", {"index": 0})
             reason, seq = stop_reason(server.tokenizer, gen, stops)
             yield sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage(gen)})

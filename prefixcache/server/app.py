@@ -99,7 +99,7 @@ class Server:
             raise ApiError(529 if api == "anthropic" else 429, "server is over capacity; retry later")
         scope = CacheScope(tenant=principal.tenant, labels=principal.labels, salt=salt)
         gen = Generation(self, self.worker.submit(prompt, params, scope, list(breakpoints)), api, principal.tenant,
-                         params.stop, where)
+                         params, where)
         await gen.start(request)
         return gen
 

@@ -1,11 +1,13 @@
-"""Generation: one submitted request seen from its HTTP handler: admission, text deltas, accounting, log line."""
+"""Generation: one submitted request seen from its HTTP handler: admission, text deltas of each of its samples,
+accounting, log line."""
 import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
-from prefixcache.engine.sequence import RequestOutput
+from prefixcache.engine.sequence import RequestOutput, SamplingParams, TokenLogprob
 from prefixcache.server.errors import ApiError
 from prefixcache.server.worker import Handle, Report, Update
 
@@ -15,17 +17,47 @@ DISCONNECT_POLL_SECONDS = 0.25
 CLIENT_CLOSED = 499  # nginx's status for a request the client gave up on
 
 
+@dataclass
+class Sample:
+    """One of the request's samples (n > 1, best_of), as the handler has seen it."""
+
+    sent: str = ""  # text handed out
+    report: Report | None = None
+    output: RequestOutput | None = None  # set when it finished
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # received, not yet handed out
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    index: int  # the sample's
+    text: str
+    logprobs: list[TokenLogprob]  # of the tokens since the previous delta (their text may still be held back)
+
+
 class Generation:
-    def __init__(self, server, handle: Handle, api: str, tenant: str, stop: list[str],
+    def __init__(self, server, handle: Handle, api: str, tenant: str, params: SamplingParams,
                  where: Callable[[int], str] | None = None):
         self.server, self.handle, self.api, self.tenant, self.where = server, handle, api, tenant, where
-        self.holdback = max((len(s) for s in stop), default=1) - 1  # a stop string may still be completing
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1  # a stop string may still be completing
         self.pending: Update | None = None
         self.report: Report | None = None  # the latest counts, from the engine thread's updates
-        self.output: RequestOutput | None = None
-        self.token_times: list[float] = []
-        self.sent = ""
+        self.samples = [Sample() for _ in range(params.num_samples)]
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when asked for
         self.start_time = time.monotonic()
+
+    @property
+    def output(self) -> RequestOutput | None:
+        """Sample 0's output; it carries the prompt's counts and logprobs."""
+        return self.samples[0].output
+
+    @property
+    def outputs(self) -> list[RequestOutput | None]:
+        return [s.output for s in self.samples]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(s.report.output_tokens for s in self.samples if s.report)
 
     async def start(self, request) -> None:
         """Wait until the first token (so the cached prefix is known). An engine refusal becomes an ApiError;
@@ -65,25 +97,31 @@ class Generation:
                                   f"miss={r.miss_cause}{at}"}
 
     async def deltas(self):
-        """New output text, held back while it may be the start of a stop string or an incomplete character."""
+        """New output text of each sample, held back while it may be the start of a stop string or an incomplete
+        character, with the logprobs received since (the rest with the last delta)."""
         try:
-            while True:
+            while not all(self.outputs):
                 u = self.pending or await self._next()
                 self.pending = None
+                s = self.samples[u.index]
+                s.logprobs += u.logprobs
                 text = u.text
                 if u.output is None:
                     text = text[:len(text) - self.holdback].rstrip("\ufffd")
-                if len(text) > len(self.sent) and text.startswith(self.sent):
-                    delta, self.sent = text[len(self.sent):], text
-                    yield delta
-                if u.output is not None:
-                    self.output = u.output
-                    return
+                s.output = u.output
+                new = text[len(s.sent):] if len(text) > len(s.sent) and text.startswith(s.sent) else ""
+                if new or (u.output and s.logprobs):
+                    s.sent += new
+                    yield Delta(u.index, new, s.logprobs)
+                    s.logprobs = []
         finally:
             self.close()
 
-    async def text(self) -> str:
-        return "".join([d async for d in self.deltas()])
+    async def texts(self) -> list[str]:
+        """Each sample's whole text."""
+        async for _ in self.deltas():
+            pass
+        return [s.sent for s in self.samples]
 
     def close(self, status: int = 200) -> None:
         if self.handle.done:
@@ -91,9 +129,10 @@ class Generation:
         self.server.worker.finished(self.handle)
         out, m = self.output, self.server.metrics
         aborted = out is None and status in (200, CLIENT_CLOSED)
-        if out is not None:
-            m.finish(out, self.token_times)
-        elif aborted:
+        for s in self.samples:
+            if s.output is not None:
+                m.finish(s.output, s.token_times)
+        if aborted:
             m.success.labels(m.model_name, "abort").inc()
         if status != 200:  # errors are counted and logged where they are rendered
             return
@@ -102,7 +141,7 @@ class Generation:
         line = {
             "api": self.api, "tenant": self.tenant, "status": status,
             "finish_reason": out.finish_reason if out else "abort", "prompt_tokens": r.prompt_tokens,
-            "cached_tokens": r.cached_tokens, "completion_tokens": r.output_tokens,
+            "cached_tokens": r.cached_tokens, "completion_tokens": self.completion_tokens,
             "cache_write_tokens": self.cache_write, "scope": r.scope_kind, "miss": r.miss_cause,
             "miss_at": self.miss_at,
             "ttft": round(out.ttft, 4) if out and out.ttft else None,
@@ -118,6 +157,9 @@ class Generation:
             status = 500 if u.internal else 400
             self.close(status)
             raise ApiError(status, u.error)
-        self.token_times.append(u.time)
-        self.report = u.report
+        s = self.samples[u.index]
+        s.token_times.append(u.time)
+        self.report = s.report = u.report
+        if u.prompt_logprobs is not None:
+            self.prompt_logprobs = list(u.prompt_logprobs)
         return u

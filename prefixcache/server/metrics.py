@@ -66,7 +66,12 @@ class Metrics:
                                 labelnames=["model_name", "api", "status"], registry=self.registry)
 
     def finish(self, out: RequestOutput, token_times: list[float]) -> None:
+        """A finished sample: the first of a request counts the request; the others add inter-token latencies."""
         m = self.model_name
+        for a, b in zip(token_times, token_times[1:]):
+            self.itl.labels(m).observe(b - a)
+        if out.index:
+            return
         self.success.labels(m, out.finish_reason).inc()
         if out.miss_cause != "hit":
             self.misses.labels(m, out.miss_cause).inc()
@@ -74,8 +79,6 @@ class Metrics:
             self.ttft.labels(m).observe(out.ttft)
         if out.latency is not None:
             self.e2e.labels(m).observe(out.latency)
-        for a, b in zip(token_times, token_times[1:]):
-            self.itl.labels(m).observe(b - a)
 
     def status(self, api: str, status: int) -> None:
         self.requests.labels(self.model_name, api, str(status)).inc()

@@ -12,13 +12,14 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from prefixcache.engine.sequence import SamplingParams
+from prefixcache.engine.sequence import SamplingParams, best
 from prefixcache.prompt import fields, render
 from prefixcache.server.auth import Principal, client_salt, principal
 from prefixcache.server.errors import ApiError, Strict
 from prefixcache.server.generation import Generation
+from prefixcache.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP = 4  # stop sequences, as OpenAI allows
@@ -69,7 +70,13 @@ class Common(Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = None
-    n: Literal[1] | None = None
+    n: int | None = Field(None, ge=1)  # at most the engine's max_num_seqs
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token ids of the vocabulary
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM extension
+    min_tokens: int | None = Field(None, ge=0)  # vLLM extension
+    stop_token_ids: list[int] | None = None  # vLLM extension
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # informational
@@ -87,8 +94,19 @@ class Common(Strict):
             raise ApiError(400, f"max_tokens must be below the context window ({max_model_len})", param="max_tokens")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         temperature = 1.0 if self.temperature is None else self.temperature
-        return SamplingParams(temperature=temperature, top_p=self.top_p or 1.0, max_tokens=max_tokens,
-                              stop=[s for s in stop if s], seed=self.seed)
+        try:
+            return SamplingParams(
+                temperature=temperature, top_p=self.top_p or 1.0, max_tokens=max_tokens, stop=[s for s in stop if s],
+                seed=self.seed, n=self.n or 1, logit_bias=self.logit_bias or {},
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0, min_tokens=self.min_tokens or 0,
+                stop_token_ids=self.stop_token_ids or [], **self.logprob_params())
+        except ValueError as e:
+            raise ApiError(400, str(e))
+
+    def logprob_params(self) -> dict:
+        """The request's logprobs, prompt_logprobs and best_of, as SamplingParams names them."""
+        return {}
 
     @property
     def salt(self) -> str:
@@ -98,10 +116,36 @@ class Common(Strict):
 class ChatRequest(Common):
     messages: list[Message] = Field(min_length=1)
     tools: list[dict] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("logprobs must be true to use top_logprobs")
+        return v
+
+    def logprob_params(self) -> dict:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
 
 class CompletionRequest(Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = False  # the prompt before the completion (with its logprobs, recomputed, if asked)
+    best_of: int | None = Field(None, ge=1)
+
+    @field_validator("best_of")
+    @classmethod
+    def not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v > (info.data.get("n") or 1) and info.data.get("stream"):
+            raise ValueError("best_of > n cannot be streamed: the best are known only at the end")
+        return v
+
+    def logprob_params(self) -> dict:
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None,
+                "best_of": self.best_of}
 
 
 def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
@@ -116,7 +160,8 @@ def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
 
 
 def usage(gen: Generation) -> dict:
-    completion = len(gen.output.token_ids) if gen.output else 0
+    """The prompt counts once however many samples share it; completion tokens are every sample's."""
+    completion = gen.completion_tokens
     return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion,
             "total_tokens": gen.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
@@ -134,19 +179,35 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
     base = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": server.model_name}
 
-    def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
+    tt = TokenText(server.tokenizer)
+    offsets = [CompletionLogprobs(tt) for _ in range(params.n)]  # each choice's text offsets
+
+    def logprobs(i: int, tokens: list[int], entries: list) -> dict | None:
+        if params.logprobs is None:
+            return None
+        return chat_logprobs(tt, entries) if chat else offsets[i](tokens, entries)
+
+    def choice(i: int, text: str | None, finish: str | None, lp: dict | None = None, first: bool = False) -> dict:
         if not chat:
-            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return {"index": i, "text": text or "", "finish_reason": finish, "logprobs": lp}
         if not req.stream:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                    "logprobs": None}
+            return {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                    "logprobs": lp}
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
+
+    echo = not chat and req.echo  # completions: each choice starts with the prompt (and its logprobs)
+    prompt_text = server.tokenizer.decode(prompt) if echo else ""
 
     if not req.stream:
-        text = await gen.text()
-        return JSONResponse({**base, "choices": [choice(text, gen.output.finish_reason)], "usage": usage(gen)},
-                            headers=gen.header())
+        texts = await gen.texts()
+        choices = []
+        for i, out in enumerate(best(gen.outputs, params.n)):
+            tokens, entries = out.token_ids, out.logprobs or []
+            if echo:
+                tokens, entries = prompt + tokens, (gen.prompt_logprobs or []) + entries
+            choices.append(choice(i, prompt_text + texts[out.index], out.finish_reason, logprobs(i, tokens, entries)))
+        return JSONResponse({**base, "choices": choices, "usage": usage(gen)}, headers=gen.header())
 
     chunk = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
 
@@ -155,11 +216,16 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
 
     async def events():
         try:
-            if chat:
-                yield sse([choice(None, None, first=True)])
-            async for delta in gen.deltas():
-                yield sse([choice(delta, None)])
-            yield sse([choice(None, gen.output.finish_reason)])
+            for i in range(params.n):  # streams have no best_of > n: sample i is choice i
+                if chat:
+                    yield sse([choice(i, None, None, first=True)])
+                elif echo:
+                    yield sse([choice(i, prompt_text, None, logprobs(i, prompt, gen.prompt_logprobs or []))])
+            async for d in gen.deltas():
+                lp = logprobs(d.index, [e.token for e in d.logprobs], d.logprobs)
+                yield sse([choice(d.index, d.text, None, lp)])
+            for i, out in enumerate(gen.outputs):
+                yield sse([choice(i, None, out.finish_reason)])
             if req.stream_options and req.stream_options.include_usage:
                 yield sse([], usage(gen))
             yield "data: [DONE]\n\n"

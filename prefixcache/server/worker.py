@@ -16,7 +16,7 @@ from typing import Any, Callable
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.scope import CacheScope
 from prefixcache.engine.engine import Engine
-from prefixcache.engine.sequence import RequestOutput, SamplingParams, Sequence
+from prefixcache.engine.sequence import RequestOutput, SamplingParams, Sequence, TokenLogprob
 
 log = logging.getLogger("prefixcache.engine")
 
@@ -48,6 +48,9 @@ class Update:
     output: RequestOutput | None = None  # set on the last update
     error: str | None = None  # the engine refused the request (ValueError) or failed
     internal: bool = False  # the error is the engine's fault, not the client's
+    index: int = 0  # which of the request's samples this is about
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the token this update added, when asked for
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # with a sample's first token, when asked for
 
 
 @dataclass
@@ -55,7 +58,7 @@ class Handle:
     """One request as the asyncio side sees it."""
 
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
-    seq: Sequence | None = None  # the engine thread's only
+    seqs: list[Sequence] = field(default_factory=list)  # the request's samples; the engine thread's only
     done: bool = False
 
 
@@ -83,7 +86,7 @@ class EngineWorker:
 
         def add():
             try:
-                handle.seq = self.engine.add_request(prompt, params, scope, breakpoints)
+                handle.seqs = self.engine.add_request(prompt, params, scope, breakpoints).samples
             except ValueError as e:
                 self._deliver(handle, Update("", time.monotonic(), error=str(e)))
                 return
@@ -91,7 +94,8 @@ class EngineWorker:
                 log.exception("add_request failed")
                 self._deliver(handle, Update("", time.monotonic(), error="internal engine error", internal=True))
                 return
-            self.live[handle.seq.id] = handle
+            for seq in handle.seqs:
+                self.live[seq.id] = handle
 
         self.inbox.put(add)
         return handle
@@ -104,8 +108,9 @@ class EngineWorker:
         self.in_flight -= 1
 
         def abort():
-            if handle.seq is not None and self.live.pop(handle.seq.id, None):
-                self.engine.abort(handle.seq)
+            for seq in handle.seqs:
+                if self.live.pop(seq.id, None):
+                    self.engine.abort(seq)
 
         self.inbox.put(abort)
 
@@ -141,8 +146,9 @@ class EngineWorker:
                 touched = self.engine.step()
             except Exception:  # an engine bug: fail the live requests, keep serving
                 log.exception("engine step failed")
-                for handle in self.live.values():
-                    self.engine.abort(handle.seq)
+                for handle in {id(h): h for h in self.live.values()}.values():
+                    for seq in handle.seqs:
+                        self.engine.abort(seq)
                     self._deliver(handle, Update("", time.monotonic(), error="internal engine error", internal=True))
                 self.live.clear()
                 continue
@@ -155,7 +161,11 @@ class EngineWorker:
                 if seq.finish_reason is not None:
                     out = self.engine.output(seq)
                     del self.live[seq.id]
-                self._deliver(handle, Update(seq.text, now, Report.of(seq), out))
+                # one token per step: the last logprob is this update's
+                first = seq.prompt_logprobs is not None and len(seq.output_ids) == 1
+                self._deliver(handle, Update(seq.text, now, Report.of(seq), out, index=seq.index,
+                                             logprobs=tuple(seq.logprobs[-1:]) if seq.logprobs else (),
+                                             prompt_logprobs=tuple(seq.prompt_logprobs) if first else None))
 
     def _deliver(self, handle: Handle, update: Update) -> None:
         self.loop.call_soon_threadsafe(handle.updates.put_nowait, update)

@@ -1,0 +1,59 @@
+"""Logprobs in OpenAI's two formats. Values are log_softmax of the model's raw logits, before penalties, biases,
+guides and temperature (vLLM's default): what the model thinks, whatever the sampler then did with it.
+
+A token's `bytes` are its own UTF-8 bytes (for byte-level BPE, possibly part of one character), and its text is
+those bytes decoded, with U+FFFD for an incomplete character, as OpenAI and vLLM show it.
+"""
+from dataclasses import dataclass
+
+from tokenizers import decoders
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from prefixcache.engine.sequence import TokenLogprob
+
+BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE's printable stand-ins -> bytes
+
+
+class TokenText:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.byte_level = isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
+
+    def bytes(self, token: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        if self.byte_level and all(c in BYTE_OF for c in piece):
+            return bytes(BYTE_OF[c] for c in piece)
+        return self.tokenizer.decode([token]).encode()
+
+    def text(self, token: int) -> str:
+        return self.bytes(token).decode("utf-8", errors="replace")
+
+
+def chat_logprobs(tt: TokenText, entries: list[TokenLogprob]) -> dict:
+    """`choices[].logprobs` of a chat completion (or of a chunk: the entries of its tokens)."""
+    def item(token: int, logprob: float) -> dict:
+        return {"token": tt.text(token), "logprob": logprob, "bytes": list(tt.bytes(token))}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+@dataclass
+class CompletionLogprobs:
+    """`choices[].logprobs` of a text completion; `offset` runs on across a stream's chunks."""
+
+    tt: TokenText
+    offset: int = 0
+
+    def __call__(self, tokens: list[int], entries: list[TokenLogprob | None]) -> dict:
+        """entries[i] is tokens[i]'s, or None (an echoed prompt's first token has no logprob)."""
+        texts = [self.tt.text(t) for t in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": texts, "token_logprobs": [e and e.logprob for e in entries],
+                "top_logprobs": [e and {**{self.tt.text(t): lp for t, lp in e.top}, self.tt.text(e.token): e.logprob}
+                                 for e in entries],
+                "text_offset": offsets}

@@ -1,0 +1,154 @@
+"""Penalties, biases and logprobs in the sampler (each against a hand computation on a small logits vector), and
+through the engine: stop tokens, bit-identical logprobs warm and cold, prompt logprobs, n samples on one prefill."""
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from prefixcache import LLM, CacheScope, SamplingParams
+from prefixcache.engine.sampler import Sampler
+from prefixcache.engine.sequence import Sequence
+
+LOGITS = [-2.0, 2.0, 3.0, -1.0, 0.5, 6.0]
+EOS = 0
+PROMPT = [5000 + 37 * i % 9000 for i in range(30)]  # the tiny model is unsure after it: samples differ by seed
+
+
+def seq(prompt: list[int], output: list[int], **params) -> Sequence:
+    s = Sequence(prompt, SamplingParams(**params), CacheScope())
+    s.tokens += output
+    return s
+
+
+def penalize(s: Sequence, logits=LOGITS) -> list[float]:
+    return Sampler([EOS]).penalize(torch.tensor([logits]), [s])[0].tolist()
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only():
+    # token 1 twice and token 3 once in the output; token 5 only in the prompt
+    s = seq([5], [1, 1, 3], frequency_penalty=0.5, presence_penalty=0.25)
+    assert penalize(s) == [-2.0, 2.0 - 2 * 0.5 - 0.25, 3.0, -1.0 - 0.5 - 0.25, 0.5, 6.0]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_over_prompt_and_output():
+    s = seq([0, 1], [3], repetition_penalty=2.0)
+    assert penalize(s) == [-4.0, 1.0, 3.0, -2.0, 0.5, 6.0]
+
+
+def test_logit_bias_adds_to_the_named_tokens():
+    s = seq([5], [], logit_bias={2: 10, 4: -100})
+    assert penalize(s) == [-2.0, 2.0, 13.0, -1.0, -99.5, 6.0]
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
+    inf = float("-inf")
+    assert penalize(seq([5], [1], min_tokens=2, stop_token_ids=[4])) == [inf, 2.0, 3.0, -1.0, inf, 6.0]
+    assert penalize(seq([5], [1, 2], min_tokens=2, stop_token_ids=[4])) == LOGITS
+
+
+def test_penalties_are_batched_row_by_row():
+    rows = [seq([0, 1], [3], repetition_penalty=2.0, frequency_penalty=0.5), seq([5], []),
+            seq([5], [1, 1], presence_penalty=1.5, logit_bias={2: 1})]
+    logits = torch.tensor([LOGITS, [x * 3 for x in LOGITS], [x - 1 for x in LOGITS]])
+    batched = Sampler([EOS]).penalize(logits, rows)
+    assert torch.equal(batched[1], logits[1])
+    for i, s in enumerate(rows):
+        assert torch.equal(batched[i], Sampler([EOS]).penalize(logits[i:i + 1], [s])[0])
+    assert batched[0].tolist() == [-4.0, 1.0, 3.0, -2.0 - 0.5, 0.5, 6.0]
+
+
+def test_logprobs_are_of_the_raw_logits_before_biases_and_penalties():
+    s = seq([5], [], temperature=0.0, logit_bias={4: 100}, logprobs=2)
+    token, lp = Sampler([EOS]).sample(torch.tensor([LOGITS]), [s])[0]
+    raw = torch.log_softmax(torch.tensor(LOGITS), dim=-1)
+    assert token == 4 and lp.logprob == raw[4].item()
+    assert lp.top == ((5, raw[5].item()), (2, raw[2].item()))
+    assert math.isclose(sum(math.exp(x) for x in raw.tolist()), 1.0, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"logit_bias": {1: 101}}, "logit_bias values must be in [-100, 100]"),
+    ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+    ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
+    ({"min_tokens": 65}, "min_tokens must be in [0, max_tokens=64]"),
+    ({"logprobs": 21}, "logprobs must be in [0, 20]"),
+    ({"n": 2, "best_of": 1}, "best_of must be >= n (2)"),
+])
+def test_sampling_params_validation(bad, message):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**bad)
+    assert str(e.value).startswith(message)
+
+
+# ---- through the engine (tiny random-weight model) ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(model=tiny_model, max_batch_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_model):
+    return LLM(model=tiny_model, enable_prefix_cache=False)
+
+
+def test_stop_token_ids_finish_without_their_text_and_min_tokens_defers_them(llm):
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6)).pop()
+    a, b = greedy.token_ids[:2]
+    assert a != b  # the tiny model's greedy reply starts a, b, ...
+    stop = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[b])
+    out = llm.generate([PROMPT], stop).pop()
+    assert out.token_ids == [a, b] and out.finish_reason == "stop" and out.text == llm.tokenizer.decode([a])
+    for n in (2, 3):  # b is masked until n tokens exist; greedy then falls back to a, and takes b as soon as it may
+        out = llm.generate([PROMPT], replace(stop, min_tokens=n)).pop()
+        assert out.token_ids == [a] * n + [b] and out.finish_reason == "stop"
+
+
+def test_logprobs_are_bit_identical_warm_cold_and_batched(llm, cold):
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5)
+    others = [list(range(2000, 2000 + n)) for n in (17, 40)]
+    ref = cold.generate([PROMPT], params)[0]
+    llm.engine.clear_cache()
+    first = llm.generate([PROMPT], params)[0]
+    warm = llm.generate([PROMPT, *others], params)[0]  # hits the cache, batched with two other prompts
+    assert first.cached_tokens == 0 and warm.cached_tokens == len(PROMPT) - 1
+    assert ref.logprobs == first.logprobs == warm.logprobs
+    assert ref.cumulative_logprob == warm.cumulative_logprob == sum(lp.logprob for lp in ref.logprobs)
+    assert all(len(lp.top) == 5 and lp.top[0][1] >= lp.logprob for lp in ref.logprobs)
+
+
+def test_prompt_logprobs_recompute_cached_positions_with_the_samplers_logits(llm, cold):
+    gen = cold.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6, logprobs=2))[0]
+    continued = PROMPT + gen.token_ids  # the prompt logprobs of its last 6 tokens are the sampled ones
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    llm.generate([continued], SamplingParams(temperature=0, max_tokens=1))  # now cached
+    warm = llm.generate([continued], params)[0]
+    ref = cold.generate([continued], params)[0]
+    assert warm.cached_tokens == 0 and warm.miss_cause == "disabled"
+    assert warm.prompt_logprobs == ref.prompt_logprobs
+    assert warm.prompt_logprobs[0] is None and [lp.token for lp in warm.prompt_logprobs[1:]] == continued[1:]
+    assert warm.prompt_logprobs[-6:] == gen.logprobs
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_n_samples_share_one_prefill_and_seed_plus_i(llm, cold, cache):
+    engine = llm if cache else cold
+    engine.engine.clear_cache()
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=11, logprobs=1)
+    before = engine.cache_stats()["prompt_tokens_computed"]
+    outs = engine.generate([PROMPT], replace(params, n=4))
+    assert engine.cache_stats()["prompt_tokens_computed"] - before == len(PROMPT)
+    assert [o.index for o in outs] == [0, 1, 2, 3] and {o.cached_tokens for o in outs} == {0}
+    singles = [cold.generate([PROMPT], replace(params, seed=11 + i))[0] for i in range(4)]
+    assert [o.token_ids for o in outs] == [s.token_ids for s in singles]
+    assert [o.logprobs for o in outs] == [s.logprobs for s in singles]
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+def test_best_of_returns_the_samples_with_the_highest_cumulative_logprob(cold):
+    params = dict(temperature=1.0, max_tokens=6, seed=3)
+    every = cold.generate([PROMPT], SamplingParams(**params, n=4))
+    best = cold.generate([PROMPT], SamplingParams(**params, n=2, best_of=4))
+    ranked = sorted(every, key=lambda o: -o.cumulative_logprob)[:2]
+    assert [(o.index, o.token_ids) for o in best] == [(o.index, o.token_ids) for o in ranked]
