@@ -1,6 +1,7 @@
 """Logprobs, n > 1 / best_of and penalties through the server, with the official openai client: OpenAI's formats,
 bit-identical logprobs warm and cold, echo's recomputed prompt logprobs, one prefill for n samples, and each
 sampling field reaching the sampler (the offline engine on the same weights gives the expected output)."""
+import json
 import uuid
 from itertools import accumulate
 
@@ -10,6 +11,8 @@ from openai import OpenAI
 from server_fixtures import Pause, tiny_server
 
 from prefixcache import LLM, SamplingParams
+from prefixcache.engine.sequence import TokenLogprob
+from prefixcache.server.logprobs import FLOOR, CompletionLogprobs, TokenText, chat_logprobs
 
 PROMPT = [5000 + 37 * i % 9000 for i in range(30)]  # the tiny model is unsure after it: samples differ by seed
 STORY = "Once upon a time, in a land far away, there lived"  # each penalty changes the tiny model's greedy reply
@@ -151,3 +154,12 @@ def test_invalid_sampling_fields_are_a_400_naming_them(client, fields, param):
         client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
                                        extra_body=fields)
     assert e.value.body["message"].startswith(param)
+
+
+def test_a_logprob_of_minus_infinity_is_floored_so_the_json_is_valid(srv):
+    """A structured-output guide masks tokens to -inf before logprobs are taken; JSON has no -inf."""
+    tt = TokenText(srv.server.tokenizer)
+    entry = TokenLogprob(5, -0.5, ((5, -0.5), (6, float("-inf"))))
+    chat, completion = chat_logprobs(tt, [entry]), CompletionLogprobs(tt)([5], [entry])
+    assert chat["content"][0]["top_logprobs"][1]["logprob"] == FLOOR == completion["top_logprobs"][0][tt.text(6)]
+    json.dumps([chat, completion], allow_nan=False)

@@ -1,5 +1,6 @@
-"""Logprobs in OpenAI's two formats. Values are log_softmax of the model's raw logits, before penalties, biases,
-guides and temperature (vLLM's default): what the model thinks, whatever the sampler then did with it.
+"""Logprobs in OpenAI's two formats. Values are log_softmax of the model's raw logits, before penalties, biases
+and temperature (vLLM's default): what the model thinks, whatever the sampler then did with it. A structured-output
+guide's mask applies before them, as in vLLM: tokens the grammar forbids show FLOOR (JSON has no -inf).
 
 A token's `bytes` are its own UTF-8 bytes (for byte-level BPE, possibly part of one character), and its text is
 those bytes decoded, with U+FFFD for an incomplete character, as OpenAI and vLLM show it.
@@ -12,6 +13,11 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from prefixcache.engine.sequence import TokenLogprob
 
 BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE's printable stand-ins -> bytes
+FLOOR = -9999.0  # vLLM's value for a logprob of -inf
+
+
+def _value(logprob: float) -> float:
+    return max(logprob, FLOOR)
 
 
 class TokenText:
@@ -33,7 +39,7 @@ class TokenText:
 def chat_logprobs(tt: TokenText, entries: list[TokenLogprob]) -> dict:
     """`choices[].logprobs` of a chat completion (or of a chunk: the entries of its tokens)."""
     def item(token: int, logprob: float) -> dict:
-        return {"token": tt.text(token), "logprob": logprob, "bytes": list(tt.bytes(token))}
+        return {"token": tt.text(token), "logprob": _value(logprob), "bytes": list(tt.bytes(token))}
 
     return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries], "refusal": None}
@@ -53,7 +59,7 @@ class CompletionLogprobs:
         for text in texts:
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": texts, "token_logprobs": [e and e.logprob for e in entries],
-                "top_logprobs": [e and {**{self.tt.text(t): lp for t, lp in e.top}, self.tt.text(e.token): e.logprob}
+        return {"tokens": texts, "token_logprobs": [e and _value(e.logprob) for e in entries],
+                "top_logprobs": [e and {self.tt.text(t): _value(lp) for t, lp in (*e.top, (e.token, e.logprob))}
                                  for e in entries],
                 "text_offset": offsets}
