@@ -3,6 +3,7 @@ import dataclasses
 import statistics
 import time
 from collections import deque
+from functools import cached_property
 
 import torch
 
@@ -12,6 +13,7 @@ from prefixcache.cache.scope import CacheScope
 from prefixcache.config import Config
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.detokenizer import Detokenizer
+from prefixcache.engine.grammar import Grammars
 from prefixcache.engine.runner import ModelRunner
 from prefixcache.engine.sampler import Sampler, logprobs
 from prefixcache.engine.scheduler import Scheduler
@@ -70,6 +72,8 @@ class Engine:
         for i, seq in enumerate(samples):
             seq.index, seq.samples = i, samples
             seq.detok = Detokenizer(self.tokenizer)
+            if params.guide:
+                seq.matcher = self.grammars.matcher(params.guide)
         seq = samples[0]
         seq.forks = samples[1:]  # they start from its blocks once its prompt is computed
         self.scheduler.add(seq)
@@ -92,9 +96,20 @@ class Engine:
                 for s in [seq, *self._fork(seq)]:  # the samples of a request share its prompt's last logits
                     rows.append(logits[seq.id])
                     touched.append(s)
-        for seq, (token, logprob) in zip(touched, self.sampler.sample(torch.stack(rows), touched) if rows else []):
+        batch = torch.stack(rows) if rows else None
+        for i, seq in enumerate(touched):
+            if seq.matcher:  # structured output: only tokens the grammar allows next
+                seq.matcher.mask(batch[i])
+        for seq, (token, logprob) in zip(touched, self.sampler.sample(batch, touched) if rows else []):
+            if seq.matcher:
+                seq.matcher.accept(token)
             self._append(seq, token, logprob)
         return touched
+
+    @cached_property
+    def grammars(self) -> Grammars:
+        """Structured output, built on the first guided request (its tokenizer tables take a moment)."""
+        return Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
 
     def abort(self, seq: Sequence) -> None:
         if seq.status is Status.FINISHED:

@@ -36,10 +36,9 @@ class Grammars:
     def matcher(self, guide: Guide) -> "Matcher":
         """A fresh matcher for one request; ValueError if the schema or regex does not compile."""
         try:
-            if guide.kind == "json_object":
-                grammar = self.compiler.compile_builtin_json_grammar()
-            elif guide.kind == "json_schema":
-                grammar = self.compiler.compile_json_schema(guide.spec, any_whitespace=False)
+            if guide.kind in ("json_object", "json_schema"):
+                schema = guide.spec if guide.kind == "json_schema" else '{"type": "object"}'
+                grammar = self.compiler.compile_json_schema(schema, any_whitespace=False)
             elif guide.kind == "regex":
                 grammar = self.compiler.compile_regex(guide.spec)
             else:

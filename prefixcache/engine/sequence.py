@@ -7,6 +7,7 @@ from enum import Enum
 from prefixcache.cache.policy import Breakpoint, WritePolicy
 from prefixcache.cache.scope import CacheScope
 from prefixcache.engine.detokenizer import Detokenizer
+from prefixcache.engine.grammar import Guide, Matcher
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 
@@ -31,6 +32,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for prompt tokens; the prompt is then recomputed, not cached
     n: int = 1  # samples returned
     best_of: int | None = None  # samples generated (>= n); the n with the highest cumulative logprob are returned
+    guide: Guide | None = None  # structured output: the grammar the output must follow
 
     def __post_init__(self):
         if self.max_tokens is None or self.max_tokens < 1:
@@ -156,6 +158,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text = ""  # the output text (cut at a stop string)
         self.detok: Detokenizer | None = None  # set by the engine, which has the tokenizer
+        self.matcher: Matcher | None = None  # the guide's grammar state, if the request has one
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -38,6 +38,9 @@ TABLE: list[Row] = [
         "stream": "", "stream_options": "`include_usage`",
         "prompt_cache_key": "narrows the cache scope", "cache_salt": "narrows the cache scope",
         "prompt_cache_retention": "`in_memory` or `24h`: entries live until evicted either way",
+        "response_format": "`text`, `json_object`, `json_schema`: the output follows it (xgrammar)",
+        "guided_regex": "vLLM extension: the output matches the pattern",
+        "guided_choice": "vLLM extension: the output is one of the strings",
         "best_of": "completions: generated, and the n with the highest cumulative logprob returned; not streamed",
         "logprobs": "chat: true or false; completions: 0 to 5. Of the raw logits (before penalties, temperature)",
         "top_logprobs": "chat: 0 to 20, with `logprobs`",
@@ -54,7 +57,6 @@ TABLE: list[Row] = [
         "service_tier": "one tier here", "store": "nothing is stored",
     }),
     *_refused("openai", {
-        "response_format": ({"type": "json_object"}, "not implemented yet"),
         "tool_choice": ("required", "tool calls are not parsed yet"),
         "parallel_tool_calls": (False, "tool calls are not parsed yet"),
         "suffix": ("}", "completions: no fill-in-the-middle"), "functions": ([], "deprecated: use tools"),

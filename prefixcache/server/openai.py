@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from prefixcache.engine.grammar import Guide
 from prefixcache.engine.sequence import SamplingParams, best
 from prefixcache.prompt import fields, render
 from prefixcache.server.auth import Principal, client_salt, principal
@@ -57,6 +58,24 @@ class Message(Strict):
         return self
 
 
+class JsonSchema(Strict):
+    name: str
+    schema_: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # the output always follows the schema
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # ignored: nothing to obfuscate on a local server
@@ -84,6 +103,9 @@ class Common(Strict):
     metadata: dict[str, str] | None = None  # informational
     service_tier: str | None = None  # informational: one tier here
     store: bool | None = None  # informational: nothing is stored
+    response_format: ResponseFormat | None = None
+    guided_regex: str | None = None  # vLLM extension
+    guided_choice: list[str] | None = Field(None, min_length=1)  # vLLM extension
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     cache_salt: str | None = None
@@ -97,7 +119,7 @@ class Common(Strict):
         try:
             return SamplingParams(
                 temperature=temperature, top_p=self.top_p or 1.0, max_tokens=max_tokens, stop=[s for s in stop if s],
-                seed=self.seed, n=self.n or 1, logit_bias=self.logit_bias or {},
+                seed=self.seed, guide=self.guide(), n=self.n or 1, logit_bias=self.logit_bias or {},
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0, min_tokens=self.min_tokens or 0,
                 stop_token_ids=self.stop_token_ids or [], **self.logprob_params())
@@ -107,6 +129,19 @@ class Common(Strict):
     def logprob_params(self) -> dict:
         """The request's logprobs, prompt_logprobs and best_of, as SamplingParams names them."""
         return {}
+
+    def guide(self) -> Guide | None:
+        rf = self.response_format if self.response_format and self.response_format.type != "text" else None
+        given = [g for g in (rf, self.guided_regex, self.guided_choice) if g is not None]
+        if len(given) > 1:
+            raise ApiError(400, "give at most one of response_format, guided_regex and guided_choice",
+                           param="response_format")
+        if rf is not None:
+            schema = rf.json_schema
+            return Guide("json_schema", json.dumps(schema.schema_)) if schema else Guide("json_object")
+        if self.guided_regex is not None:
+            return Guide("regex", self.guided_regex)
+        return Guide("choice", json.dumps(self.guided_choice)) if self.guided_choice else None
 
     @property
     def salt(self) -> str:
