@@ -19,6 +19,7 @@ from prefixcache.prompt import Prompt, fields, render
 from prefixcache.server.auth import Principal, client_salt, principal
 from prefixcache.server.errors import ApiError, Strict
 from prefixcache.server.generation import Generation
+from prefixcache.server.tools import Holdback, ToolUse
 
 MAX_BREAKPOINTS = 4
 
@@ -34,6 +35,9 @@ class Block(Strict):
     type: Literal["text", "tool_use", "tool_result"]
     text: str | None = None
     id: str | None = None  # tool_use; ignored: calls and results are rendered in order, without ids
+    caller: dict | None = None  # tool_use; ignored: who made the call (the model, here)
+    toolset_name: str | None = None  # tool_use; ignored: our tools have no toolsets
+    citations: list | None = None  # text; ignored: nothing here cites
     name: str | None = None  # tool_use
     input: Any = None  # tool_use
     tool_use_id: str | None = None  # tool_result; ignored, as id
@@ -61,12 +65,25 @@ class Tool(Strict):
     cache_control: CacheControl | None = None
 
 
+class ToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # type tool
+    disable_parallel_tool_use: bool | None = None  # a forced call is one call; with auto, one call per reply line
+
+    @model_validator(mode="after")
+    def name_with_tool(self) -> "ToolChoice":
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("name is required with type tool, and only then")
+        return self
+
+
 class MessagesRequest(Strict):
     model: str
     max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
     system: str | list[Block] | None = None
     tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
@@ -90,6 +107,27 @@ def build_prompt(tokenizer, req: MessagesRequest) -> tuple[Prompt, list[Breakpoi
         raise ApiError(400, "a ttl='1h' cache_control block must not come after a ttl='5m' cache_control block")
     prompt = render(tokenizer, request_fields)
     return prompt, [Breakpoint(p, t) for p, t in prompt.breakpoints if p > 0]
+
+
+def tool_use(req: MessagesRequest) -> ToolUse | None:
+    """How the reply may call tools; None when it may not (no tools, or tool_choice none)."""
+    choice = req.tool_choice
+    if choice is not None and not req.tools:
+        raise ApiError(400, "tool_choice needs tools")
+    if not req.tools or (choice and choice.type == "none"):
+        return None
+    tools = {t.name: t.input_schema for t in req.tools}
+    if choice and choice.type == "tool" and choice.name not in tools:
+        raise ApiError(400, f"tool_choice names {choice.name!r}, which is not in tools")
+    force = {"any": list(tools), "tool": [choice.name]}.get(choice.type) if choice else None
+    return ToolUse(tools, force)
+
+
+def tool_blocks(use: ToolUse | None, text: str) -> list[dict] | None:
+    """The reply as tool_use blocks, if it is one or more calls to the request's tools."""
+    calls = use.calls(text) if use else None
+    return [{"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": name, "input": args}
+            for name, args in calls] if calls else None
 
 
 def usage(gen: Generation) -> dict:
@@ -119,8 +157,10 @@ async def messages(request: Request, req: MessagesRequest, caller: Principal = D
         raise ApiError(400, f"max_tokens must be below the context window ({server.engine.max_model_len})")
     prompt, breakpoints = build_prompt(server.tokenizer, req)
     stops = [s for s in req.stop_sequences or [] if s]
+    use = tool_use(req)
     params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p or 1.0,
-                            top_k=req.top_k or 0, max_tokens=req.max_tokens, stop=stops)
+                            top_k=req.top_k or 0, max_tokens=req.max_tokens, stop=stops,
+                            guide=use.guide() if use else None)
     gen = await server.generate(request, "anthropic", caller, prompt.token_ids, params,
                                 client_salt(req.cache_salt, req.prompt_cache_key),
                                 breakpoints, where=prompt.where)
@@ -128,8 +168,9 @@ async def messages(request: Request, req: MessagesRequest, caller: Principal = D
 
     if not req.stream:
         text = (await gen.texts())[0]
-        reason, seq = stop_reason(server.tokenizer, gen, stops)
-        return JSONResponse({**message, "content": [{"type": "text", "text": text}], "stop_reason": reason,
+        blocks = tool_blocks(use, text)
+        reason, seq = ("tool_use", None) if blocks else stop_reason(server.tokenizer, gen, stops)
+        return JSONResponse({**message, "content": blocks or [{"type": "text", "text": text}], "stop_reason": reason,
                              "stop_sequence": seq, "usage": usage(gen)}, headers=gen.header())
 
     def sse(kind: str, data: dict) -> str:
@@ -139,11 +180,29 @@ async def messages(request: Request, req: MessagesRequest, caller: Principal = D
         try:
             yield sse("message_start", {"message": {**message, "content": [], "stop_reason": None,
                                                     "stop_sequence": None, "usage": usage(gen)}})
-            yield sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            hold, opened = Holdback() if use else None, False  # with tools, the text block opens once text is sure
             async for delta in gen.deltas():
-                yield sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta.text}})
-            yield sse("content_block_stop", {"index": 0})
-            reason, seq = stop_reason(server.tokenizer, gen, stops)
+                text = hold.feed(delta.text) if hold else delta.text
+                if text or not (hold or opened):
+                    if not opened:
+                        yield sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                        opened = True
+                    yield sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+            held = hold.held if hold else ""
+            blocks = tool_blocks(use, held)
+            if not blocks and (held or not opened):
+                if not opened:
+                    yield sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                    opened = True
+                yield sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": held}})
+            if opened:
+                yield sse("content_block_stop", {"index": 0})
+            for k, block in enumerate(blocks or [], start=int(opened)):
+                yield sse("content_block_start", {"index": k, "content_block": {**block, "input": {}}})
+                yield sse("content_block_delta", {"index": k, "delta": {"type": "input_json_delta",
+                                                                        "partial_json": json.dumps(block["input"])}})
+                yield sse("content_block_stop", {"index": k})
+            reason, seq = ("tool_use", None) if blocks else stop_reason(server.tokenizer, gen, stops)
             yield sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage(gen)})
             yield sse("message_stop", {})
         finally:

@@ -51,14 +51,15 @@ TABLE: list[Row] = [
         "repetition_penalty": "vLLM extension: > 0, over the prompt and the output",
         "min_tokens": "vLLM extension: no EOS, stop token or stop string before it",
         "stop_token_ids": "vLLM extension: finish on these tokens",
+        "tool_choice": "chat: `none`, `auto` (a reply written as calls is returned as `tool_calls`), `required` or a "
+                       "named function (a valid call is forced with the parameters' schema)",
+        "parallel_tool_calls": "chat: a forced call is one call; with `auto`, one call per reply line",
     }),
     *_rows("openai", IGNORED, {
         "user": "informational", "safety_identifier": "informational", "metadata": "informational",
         "service_tier": "one tier here", "store": "nothing is stored",
     }),
     *_refused("openai", {
-        "tool_choice": ("required", "tool calls are not parsed yet"),
-        "parallel_tool_calls": (False, "tool calls are not parsed yet"),
         "suffix": ("}", "completions: no fill-in-the-middle"), "functions": ([], "deprecated: use tools"),
         "function_call": ("auto", "deprecated: use tool_choice"), "audio": ({}, "text only"),
         "modalities": (["audio"], "text only"), "prediction": ({}, "no predicted outputs"),
@@ -71,10 +72,11 @@ TABLE: list[Row] = [
         "temperature": "0 to 1", "top_p": "", "top_k": "", "stop_sequences": "", "stream": "",
         "cache_control": "on tools, system and message blocks, or top level: `5m` or `1h`, at most 4",
         "cache_salt": "extension: narrows the cache scope", "prompt_cache_key": "extension: narrows the cache scope",
+        "tool_choice": "`none`, `auto` (a reply written as calls is returned as `tool_use` blocks), `any` or a named "
+                       "`tool` (a valid call is forced with its input schema)",
     }),
     *_rows("anthropic", IGNORED, {"metadata": "informational", "service_tier": "one tier here"}),
     *_refused("anthropic", {
-        "tool_choice": ({"type": "any"}, "tool calls are not parsed yet"),
         "thinking": ({"type": "enabled", "budget_tokens": 1024}, "not a reasoning model"),
         "container": ("c", "no code execution"), "mcp_servers": ([], "no MCP connector"),
     }),

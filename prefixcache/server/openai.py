@@ -21,6 +21,7 @@ from prefixcache.server.auth import Principal, client_salt, principal
 from prefixcache.server.errors import ApiError, Strict
 from prefixcache.server.generation import Generation
 from prefixcache.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs
+from prefixcache.server.tools import Holdback, ToolUse
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP = 4  # stop sequences, as OpenAI allows
@@ -42,6 +43,27 @@ class ToolCall(Strict):
     id: str | None = None  # ignored: calls and results are rendered in order, without ids
     type: Literal["function"] = "function"
     function: FunctionCall
+
+
+class FunctionDef(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None  # a forced call always follows the parameters' schema
+
+
+class Tool(Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class Message(Strict):
@@ -150,7 +172,9 @@ class Common(Strict):
 
 class ChatRequest(Common):
     messages: list[Message] = Field(min_length=1)
-    tools: list[dict] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # a forced call is one call; with auto, one call per reply line
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -163,6 +187,28 @@ class ChatRequest(Common):
 
     def logprob_params(self) -> dict:
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+
+    def tool_use(self) -> ToolUse | None:
+        """How the reply may call tools; None when it may not (no tools, or tool_choice none)."""
+        if self.tool_choice is not None and not self.tools:
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        if not self.tools or self.tool_choice == "none":
+            return None
+        tools = {t.function.name: t.function.parameters or {} for t in self.tools}
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in tools:
+                raise ApiError(400, f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools",
+                               param="tool_choice")
+            return ToolUse(tools, [self.tool_choice.function.name])
+        return ToolUse(tools, list(tools) if self.tool_choice == "required" else None)
+
+    def guide(self) -> Guide | None:
+        use, other = self.tool_use(), super().guide()
+        forced = use.guide() if use else None
+        if forced and other:
+            raise ApiError(400, "a required tool call cannot be combined with response_format or guided_*",
+                           param="tool_choice")
+        return forced or other
 
 
 class CompletionRequest(Common):
@@ -222,14 +268,28 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
             return None
         return chat_logprobs(tt, entries) if chat else offsets[i](tokens, entries)
 
-    def choice(i: int, text: str | None, finish: str | None, lp: dict | None = None, first: bool = False) -> dict:
+    use = req.tool_use() if chat else None
+
+    def choice(i: int, text: str | None, finish: str | None, lp: dict | None = None, first: bool = False,
+               calls: list | None = None) -> dict:
         if not chat:
             return {"index": i, "text": text or "", "finish_reason": finish, "logprobs": lp}
+        if calls:
+            finish = "tool_calls" if finish == "stop" else finish
         if not req.stream:
-            return {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                    "logprobs": lp}
+            message = {"role": "assistant", "content": None if calls else text}
+            return {"index": i, "message": {**message, **({"tool_calls": calls} if calls else {})},
+                    "finish_reason": finish, "logprobs": lp}
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
+        return {"index": i, "delta": {**delta, **({"tool_calls": calls} if calls else {})}, "finish_reason": finish,
+                "logprobs": lp}
+
+    def tool_calls(text: str, streamed: bool = False) -> list[dict] | None:
+        """The reply as OpenAI tool_calls, if it is one or more calls to the request's tools."""
+        calls = use.calls(text) if use else None
+        return [{**({"index": k} if streamed else {}), "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+                for k, (name, args) in enumerate(calls)] if calls else None
 
     echo = not chat and req.echo  # completions: each choice starts with the prompt (and its logprobs)
     prompt_text = server.tokenizer.decode(prompt) if echo else ""
@@ -241,7 +301,8 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
             tokens, entries = out.token_ids, out.logprobs or []
             if echo:
                 tokens, entries = prompt + tokens, (gen.prompt_logprobs or []) + entries
-            choices.append(choice(i, prompt_text + texts[out.index], out.finish_reason, logprobs(i, tokens, entries)))
+            text = prompt_text + texts[out.index]
+            choices.append(choice(i, text, out.finish_reason, logprobs(i, tokens, entries), calls=tool_calls(text)))
         return JSONResponse({**base, "choices": choices, "usage": usage(gen)}, headers=gen.header())
 
     chunk = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
@@ -256,11 +317,18 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
                     yield sse([choice(i, None, None, first=True)])
                 elif echo:
                     yield sse([choice(i, prompt_text, None, logprobs(i, prompt, gen.prompt_logprobs or []))])
+            holds = [Holdback() if use else None for _ in range(params.n)]
             async for d in gen.deltas():
                 lp = logprobs(d.index, [e.token for e in d.logprobs], d.logprobs)
-                yield sse([choice(d.index, d.text, None, lp)])
+                text = holds[d.index].feed(d.text) if use else d.text
+                if text or lp:
+                    yield sse([choice(d.index, text, None, lp)])
             for i, out in enumerate(gen.outputs):
-                yield sse([choice(i, None, out.finish_reason)])
+                held = holds[i].held if use else ""
+                calls = tool_calls(held, streamed=True)
+                if held and not calls:
+                    yield sse([choice(i, held, None)])
+                yield sse([choice(i, None, out.finish_reason, calls=calls)])
             if req.stream_options and req.stream_options.include_usage:
                 yield sse([], usage(gen))
             yield "data: [DONE]\n\n"
