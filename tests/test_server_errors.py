@@ -52,7 +52,7 @@ OPENAI_BAD = [
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, "top_p"),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {**CHAT, "n": 0}, 400, "n"),
     ("/v1/chat/completions", {**CHAT, "prompt_cache_retention": "forever"}, 400, "prompt_cache_retention"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": TOO_LONG}]}, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 404, "model"),
