@@ -77,3 +77,13 @@ def test_a_forced_tool_call_is_one_the_renderer_reads_back(grammars):
         [(name, arguments)] = tool_calls(text, set(tools))
         assert name in tools and (arguments in ({"city": "Oslo"}, {"city": "Lima"}) if name == "get_weather"
                                   else arguments == {})
+
+
+def test_a_finished_grammar_finishes_the_request_even_with_ignore_eos(tiny_model):
+    from prefixcache import LLM, SamplingParams
+
+    llm = LLM(model=tiny_model)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=200, ignore_eos=True,
+                            guide=Guide("choice", json.dumps(["yes", "no"])))
+    outs = llm.generate([[5, 6, 7], [8, 9]], params)  # batched with each other
+    assert [(o.text in ("yes", "no"), o.finish_reason) for o in outs] == [(True, "stop")] * 2

@@ -18,6 +18,7 @@ from prefixcache.engine.runner import ModelRunner
 from prefixcache.engine.sampler import Sampler, logprobs
 from prefixcache.engine.scheduler import Scheduler
 from prefixcache.engine.sequence import RequestOutput, SamplingParams, Sequence, Status, TokenLogprob
+from prefixcache.models.exactness import probe
 from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
 
@@ -41,7 +42,9 @@ class Engine:
         self.blocks = BlockManager(self.pool, config.enable_prefix_cache, config.min_cache_tokens,
                                     config.default_ttl, config.shared_prefixes, config.log_cross_scope_misses)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps)
-        self.runner = ModelRunner(Llama(weights, config.attn_tile), self.pool)
+        model = Llama(weights, config.attn_tile)
+        self.exactness = model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(model, self.pool)
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.prompt_tokens_computed = 0  # prompt tokens prefilled (a cache hit skips them, n samples share them)
         self.ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
@@ -208,7 +211,9 @@ class Engine:
             seq.logprobs.append(logprob)
         p = seq.params
         # a stop token's text is not part of the output; the sampler masks them until min_tokens
-        stop_token = token in p.stop_token_ids or (token in self.model_config.eos_token_ids and not p.ignore_eos)
+        eos = token in self.model_config.eos_token_ids
+        # a finished grammar accepted its stop token: nothing may follow it, ignore_eos or not
+        stop_token = token in p.stop_token_ids or (eos and not p.ignore_eos) or bool(seq.matcher and seq.matcher.done)
         new = "" if stop_token else seq.detok.add(token)
         text = seq.detok.text
         stops = p.stop if len(seq.output_ids) >= p.min_tokens else []
