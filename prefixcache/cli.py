@@ -1,4 +1,4 @@
-"""prefixcache command line: generate | convert | serve | bench | lint | diff."""
+"""prefixcache command line: generate | convert | serve | bench | lint | diff | doctor."""
 import argparse
 import sys
 
@@ -121,10 +121,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="")
     p.set_defaults(func=cmd_diff)
 
+    p = sub.add_parser("doctor", help="this CPU, the exactness probe's findings, the mode chosen and its cost")
+    add_engine_options(p)
+    p.set_defaults(func=cmd_doctor)
+
     from prefixcache.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
     return parser
+
+
+def cmd_doctor(args) -> None:
+    from prefixcache.config import Config
+    from prefixcache.engine.engine import Engine
+    from prefixcache.models.exactness import cpu_info, step_ms
+    from prefixcache.options import resolve
+
+    engine = Engine(Config(**resolve(args)[0]))
+    cpu, plan, model = cpu_info(), engine.exactness, engine.runner.model
+    print(f"cpu      {cpu.model}\nsimd     {' '.join(cpu.simd) or 'none'}\n"
+          f"threads  {cpu.threads}\ntorch    {cpu.torch} ({cpu.blas})\n"
+          f"model    {engine.model_name} ({engine.config.dtype}, KV {engine.config.kv_dtype})")
+    print(f"probe    {'cached' if plan.cached else 'ran'}, {plan.probe_seconds:.2f} s; row counts whose every row "
+          "equals a reference call's:")
+    for c in plan.ops:
+        print(f"  {c.name:10} {c.shape:12} agree {_ranges(c.agree) or '-'}; differ {_ranges(c.differ) or '-'}")
+    rows = {"pad": f"calls under {plan.m0} rows padded to {_ranges(plan.row_sizes)} rows",
+            "fixed": f"every call in chunks of {plan.m0} rows", "rows": "one row per call"}[plan.mode]
+    print(f"mode     {plan.mode}: {rows}; attention calls of {_ranges(plan.attn_sizes)} query rows\n"
+          f"note     {plan.note}")
+    for b in (1, 8):
+        bare, run = step_ms(model, b), step_ms(model, b, plan)
+        print(f"cost     b={b}: one decode step's GEMMs, norms and SwiGLU {bare:.1f} ms unpadded, {run:.1f} ms as "
+              f"run ({plan.call_rows(b)} rows per call): x{run / bare:.2f}")
+
+
+def _ranges(values: list[int]) -> str:
+    """[1, 2, 3, 5, 8, 9] -> "1-3, 5, 8-9"."""
+    runs = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,8 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
+from prefixcache.models.exactness import MODES, cpu_info
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -13,13 +15,17 @@ def default_model_path() -> str:
     return os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF)
 
 
+DTYPES = ("float32", "bfloat16")
+
+
 @dataclass
 class Config:
     """Every engine default lives here."""
 
     model: str = ""  # GGUF file or HF safetensors folder; "" means the default SmolLM2
-    dtype: str = "float32"  # weights and activations
-    kv_dtype: str = "bfloat16"  # KV storage; attention always reads it back, so warm == cold either way
+    dtype: str = "float32"  # weights and activations; bfloat16 needs a CPU with avx512_bf16 or AMX
+    kv_dtype: str = "auto"  # KV storage; "auto": the activation dtype. bfloat16 halves it but is lossy (opt-in)
+    exactness: str = "auto"  # how rows stay batch-invariant (models/exactness.py): auto | pad | fixed | rows
     block_size: int = 16  # tokens per KV block
     attn_tile: int = 512  # keys per attention tile; fixed so a token's math never depends on its batch
     kv_cache_bytes: int = 2 << 30  # one budget for live and cached KV
@@ -36,5 +42,13 @@ class Config:
 
     def __post_init__(self):
         assert self.attn_tile % self.block_size == 0, "attn_tile must be a multiple of block_size"
+        for name, choices in (("dtype", DTYPES), ("kv_dtype", ("auto", *DTYPES)), ("exactness", MODES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
+        if self.dtype == "bfloat16" and not (cpu := cpu_info()).has_bf16:
+            raise ValueError(f"dtype='bfloat16' needs a CPU with avx512_bf16 or AMX, which {cpu.model} lacks: "
+                             "use float32")
+        if self.kv_dtype == "auto":
+            self.kv_dtype = self.dtype
         if not self.model:
             self.model = default_model_path()

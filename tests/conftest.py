@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import prefixcache  # noqa: F401  (sets MKL strict mode before torch does any math)
+import prefixcache  # noqa: F401  (sets its environment defaults, HF_HUB_OFFLINE among them, first)
 from prefixcache.config import default_model_path
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.models.loader import converted_folder

@@ -26,10 +26,11 @@ def _compare(cold_llm, warm_llm, prompts, concurrent: bool):
     return w_out
 
 
-@pytest.mark.parametrize("concurrent", [False, True])
-def test_warm_equals_cold_tiny(tiny_model, concurrent):
-    cold = LLM(model=tiny_model, enable_prefix_cache=False)
-    warm = LLM(model=tiny_model, max_batch_tokens=96)
+@pytest.mark.parametrize("concurrent, exactness", [(False, "pad"), (True, "pad"), (False, "fixed"), (True, "fixed"),
+                                                 (True, "rows")])
+def test_warm_equals_cold_tiny(tiny_model, concurrent, exactness):
+    cold = LLM(model=tiny_model, enable_prefix_cache=False, exactness=exactness)
+    warm = LLM(model=tiny_model, max_batch_tokens=96, exactness=exactness)
     warm.generate([BASE[:300]], GREEDY)
     outs = _compare(cold, warm, PROMPTS, concurrent)
     hits = [o.cached_tokens for o in outs]
@@ -141,8 +142,8 @@ def test_eviction_order_expired_then_priority_then_lru(tiny_model):
 
 
 def test_tiny_budget_evicts_and_stays_correct(tiny_model):
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 2  # layers * block * kv_heads * head_dim * bf16, for K and V
     cold = LLM(model=tiny_model, enable_prefix_cache=False)
+    block_bytes = cold.engine.pool.block_bytes
     tight = LLM(model=tiny_model, kv_cache_bytes=60 * block_bytes, max_num_seqs=4)
     prompts = [[i] + BASE[i * 7:i * 7 + 150] for i in range(10)]
     prompts += [BASE[:90 + 13 * i] + [i] for i in range(6)]  # partial-block hits while eviction runs
@@ -156,7 +157,7 @@ def test_tiny_budget_evicts_and_stays_correct(tiny_model):
 
 
 def test_a_request_pinned_entries_leave_no_room_for_is_refused(tiny_model):
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 2
+    block_bytes = LLM(model=tiny_model).engine.pool.block_bytes
     llm = LLM(model=tiny_model, kv_cache_bytes=21 * block_bytes)  # 20 usable blocks
     llm.generate([BASE[:112]], GREEDY)
     assert llm.pin(BASE[:112]) == 112  # 7 blocks that eviction may never take

@@ -1,10 +1,14 @@
-"""The forward pass: logits match HF transformers, and are bit-identical however a prompt is chunked."""
+"""The forward pass: logits match HF transformers, and are bit-identical however a prompt is chunked or cached,
+also across attention tiles (prompts longer than one 512-key tile) and in every exactness mode."""
+import random
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import GREEDY, generate_with_logits
 from prefixcache import LLM, SamplingParams
+from prefixcache.bench.workloads import system_prompt
 from prefixcache.config import default_model_path
 from prefixcache.models.loader import converted_folder
 
@@ -13,6 +17,19 @@ REAL_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "Q: What is the boiling point of water at sea level?\nA:",
 ]
+LONG = list(range(5000, 6100))  # token ids: prompts of up to 1,100 tokens span three attention tiles
+DECODE = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def real() -> LLM:
+    """The default model with the default config (so fp32 KV), prefix cache off."""
+    return LLM(enable_prefix_cache=False)
+
+
+@pytest.fixture(scope="module")
+def real_hf():
+    return AutoModelForCausalLM.from_pretrained(converted_folder(default_model_path()), dtype=torch.float32)
 
 
 def _hf_logits(folder: str, ids: list[int]) -> torch.Tensor:
@@ -28,48 +45,101 @@ def _our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     return torch.stack([lg[0] for lg in logits])
 
 
+def _assert_greedy_matches_hf(llm: LLM, hf, prompts: list[list[int]], max_tokens: int) -> None:
+    """Our greedy tokens equal HF generate's, and the logits of every step are within 1e-4 of HF's."""
+    outs, logits = generate_with_logits(llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    for ids, out, ours in zip(prompts, outs, logits):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, eos_token_id=list(llm.engine.model_config.eos_token_ids))
+        assert out.token_ids == ref.sequences[0, len(ids):].tolist()
+        assert (ours - torch.cat(ref.logits)).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_qwen"])
 def test_tiny_logits_match_hf(fixture, request):
     folder = request.getfixturevalue(fixture)
-    llm = LLM(model=folder, enable_prefix_cache=False, kv_dtype="float32")
+    llm = LLM(model=folder, enable_prefix_cache=False)
     ids = llm.encode("Prefix caching keeps the keys and values of shared beginnings.")
     diff = (_our_logits(llm, ids) - _hf_logits(folder, ids)).abs().max().item()
     assert diff <= 1e-4, diff
 
 
-def test_real_model_logits_and_greedy_tokens_match_hf():
-    folder = converted_folder(default_model_path())
-    llm = LLM(enable_prefix_cache=False, kv_dtype="float32")
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+def test_real_model_logits_and_greedy_tokens_match_hf(real, real_hf):
     for text in REAL_PROMPTS:
-        ids = llm.encode(text)
+        ids = real.encode(text)
         with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0, -1]
-            hf_tokens = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
-        outs, logits = generate_with_logits(llm, [ids], SamplingParams(temperature=0.0, max_tokens=12,
-                                                                       ignore_eos=True))
+            ref = real_hf(torch.tensor([ids])).logits[0, -1]
+            hf_tokens = real_hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        outs, logits = generate_with_logits(real, [ids], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                        ignore_eos=True))
         assert (logits[0][0] - ref).abs().max().item() <= 1e-4
         assert outs[0].token_ids == hf_tokens
 
 
+def test_tiny_long_prompts_match_hf(tiny_model):
+    _assert_greedy_matches_hf(LLM(model=tiny_model, enable_prefix_cache=False),
+                              AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                              [LONG[:650], LONG[:1100]], 8)
+
+
+def test_real_model_long_chats_match_hf_with_the_default_kv_dtype(real, real_hf):
+    """Issue 9: with bf16 KV, one of three ~1,000-token chats left HF's greedy path at its second token."""
+    assert real.engine.config.kv_dtype == "float32"  # "auto": the activation dtype
+    rng = random.Random(9)
+    prompts = [real.encode_chat([{"role": "system", "content": system_prompt(rng, n)},
+                                 {"role": "user", "content": "Summarize the rules above in one sentence."}])
+               for n in (615, 965, 1060)]
+    assert [len(p) for p in prompts] == [646, 1007, 1088]
+    _assert_greedy_matches_hf(real, real_hf, prompts, 12)
+
+
+@pytest.mark.parametrize("exactness", ["pad", "fixed"])
 @pytest.mark.parametrize("chunk", [1, 7, 16, 33, 512])
-def test_chunked_prefill_is_bit_identical(tiny_model, chunk):
+def test_chunked_prefill_is_bit_identical(tiny_model, chunk, exactness):
     ids = list(range(500, 800))
-    whole = LLM(model=tiny_model, enable_prefix_cache=False, max_batch_tokens=512)
-    chunked = LLM(model=tiny_model, enable_prefix_cache=False, max_batch_tokens=chunk)
+    whole = LLM(model=tiny_model, enable_prefix_cache=False, max_batch_tokens=512, exactness=exactness)
+    chunked = LLM(model=tiny_model, enable_prefix_cache=False, max_batch_tokens=chunk, exactness=exactness)
     a_out, a = generate_with_logits(whole, [ids])
     b_out, b = generate_with_logits(chunked, [ids])
     assert a_out[0].token_ids == b_out[0].token_ids
     assert torch.equal(a[0], b[0])
 
 
-def test_suffix_on_prefix_equals_full_prefill_real_model():
+@pytest.mark.parametrize("exactness", ["pad", "fixed"])
+def test_long_prompts_chunked_and_batched_are_bit_identical_across_tiles(tiny_model, exactness):
+    """One 1,100-token prefill, against 100-token chunks (two of them straddle a tile boundary) batched with
+    other prompts, whose decode rows share calls while sitting in different tiles."""
+    whole = LLM(model=tiny_model, enable_prefix_cache=False, max_batch_tokens=1100, exactness=exactness)
+    chunked = LLM(model=tiny_model, enable_prefix_cache=False, max_batch_tokens=100, exactness=exactness)
+    prompts = [LONG[:1100], LONG[100:1120], LONG[:513], [1, 2, 3]]  # the second one's decode crosses key 1024
+    _, a = generate_with_logits(whole, prompts[:1], DECODE)
+    _, b = generate_with_logits(chunked, prompts, DECODE)
+    assert torch.equal(a[0], b[0])
+    singles = [generate_with_logits(whole, [p], DECODE)[1][0] for p in prompts[1:]]
+    assert all(torch.equal(x, y) for x, y in zip(singles, b[1:]))
+
+
+@pytest.mark.parametrize("exactness", ["pad", "fixed"])
+def test_long_prompts_warm_equals_cold_across_tiles(tiny_model, exactness):
+    cold = LLM(model=tiny_model, enable_prefix_cache=False, exactness=exactness)
+    warm = LLM(model=tiny_model, max_batch_tokens=200, exactness=exactness)
+    warm.generate([LONG[:700]], GREEDY)
+    prompts = [LONG[:1020], LONG[:600] + [7, 8, 9], LONG[:1100], LONG[:513]]  # hits end in tile 1
+    c_out, c = generate_with_logits(cold, prompts, DECODE)
+    w_out, w = generate_with_logits(warm, prompts, DECODE)
+    hits = [o.cached_tokens for o in w_out]
+    assert hits[1] == 600 and hits[2] >= 700 and hits[3] == 512  # the third may wait for the first's prefix
+    assert [o.token_ids for o in c_out] == [o.token_ids for o in w_out]
+    assert all(torch.equal(x, y) for x, y in zip(c, w))
+
+
+def test_suffix_on_prefix_equals_full_prefill_real_model(real):
     """The cache-hit primitive: prefill 40 tokens on top of 200 computed ones == one 240-token prefill."""
     ids = list(range(2000, 2240))
-    cold = LLM(enable_prefix_cache=False)
     warm = LLM()
     warm.generate([ids[:200] + [1, 2, 3]], GREEDY)
-    a_out, a = generate_with_logits(cold, [ids])
+    a_out, a = generate_with_logits(real, [ids])
     b_out, b = generate_with_logits(warm, [ids])
     assert b_out[0].cached_tokens == 200  # 12 full blocks, then 8 tokens copied from the 13th
     assert a_out[0].token_ids == b_out[0].token_ids

@@ -11,6 +11,7 @@ class LLM:
     def __init__(self, model: str = "", enable_prefix_cache: bool = True, **config):
         self.engine = Engine(Config(model=model, enable_prefix_cache=enable_prefix_cache, **config))
         self.tokenizer = self.engine.tokenizer
+        self.exactness = self.engine.exactness  # how this CPU keeps a token's logits batch-invariant
 
     def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
                  scope: CacheScope | None = None, breakpoints: list[Breakpoint] = (),

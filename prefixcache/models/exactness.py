@@ -1,0 +1,280 @@
+"""Batch invariance by construction, verified at startup on the CPU at hand (DESIGN.md, invariant 1).
+
+BLAS and torch's CPU kernels choose their code path by call shape, so the last bits of a row can depend on how
+many rows share its call and where it sits in it. On an AMD EPYC (Zen 4, 2 threads), MKL 2024.2's fp32 sgemm
+gives a row one result at M = 1, others in the tail rows of M = 2..3, 5..7 and 9..11, and the same at every other
+M; oneDNN's, which the model uses, differs at M = 1 only; with 5 threads, F.silu gives a row other bits by where
+a thread's range ends. So the engine never calls a row-wise op with just any row count. The probe runs the
+model's own row-wise ops (every GEMM shape on the real weights, RMSNorm, SwiGLU) and its attention on random
+rows, compares each row with a reference call, and picks a plan:
+  pad    every row count from m0 on gives the reference's bits, and so do some below it: a call with fewer
+         rows is padded with zero rows up to the next such count;
+  fixed  no such m0: a chunk size C at which a row's bits do not depend on its place in the call; every
+         row-wise op then runs in calls of exactly C rows, the last one padded;
+  rows   neither: one row per call, the same shape every time (guaranteed, slow).
+Attention runs in calls of exactly q query rows per (sequence, kv head), with q from the sizes that agree
+(fixed: C; rows: 1). RoPE, the residual adds and the embedding need no plan: each output element is one
+IEEE operation (or a copy) of its own row's values, which no vector width or thread split changes.
+Results are cached per CPU, flags, library versions, threads and shapes under $PREFIXCACHE_HOME/exactness.
+"""
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "pad", "fixed", "rows")
+PAD_LIMIT = 64  # pad only below this many rows: probed densely, and padding further costs too much
+CHUNKS = (16, 8, 4, 2)  # fixed-mode chunk sizes, tried in order
+ATTN_SIZES = (*range(1, 17), 24, 32, 48, 64, 128, 256)  # query rows per attention call; the last is the reference
+PRIMES = (67, 97, 131, 251, 311, 509, 1021, 2039, 4093, 8191)
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+VERSION = 2  # bump when the probe changes, so cached results are ignored
+
+
+@dataclass
+class CPU:
+    model: str
+    flags: list[str]  # every flag; `simd` picks the relevant ones
+    threads: int
+    torch: str
+    blas: str
+
+    @property
+    def simd(self) -> list[str]:
+        return [f for f in SIMD_FLAGS if f in self.flags]
+
+    @property
+    def has_bf16(self) -> bool:
+        return "avx512_bf16" in self.flags or "amx_bf16" in self.flags
+
+    def __str__(self) -> str:
+        return f"{self.model} ({' '.join(self.simd)}; {self.threads} threads; torch {self.torch}, {self.blas})"
+
+
+def cpu_info() -> CPU:
+    """From /proc/cpuinfo (elsewhere: no flags, so bfloat16 weights are refused) and torch's build."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        text = ""
+    model, flags = (re.search(rf"^{key}\s*:\s*(.*)$", text, re.M) for key in ("model name", "flags"))
+    config = torch.__config__.show()
+    mkl, blas, onednn = (re.search(p, config) for p in (r"Math Kernel Library Version (\S+)", r"BLAS_INFO=(\w+)",
+                                                        r"MKL-DNN (v\S+)"))
+    libs = f"MKL {mkl.group(1)}" if mkl else f"BLAS {blas.group(1) if blas else 'unknown'}"
+    libs += f", oneDNN {onednn.group(1)}" if onednn else ""
+    return CPU(model.group(1) if model else platform.processor() or platform.machine(),
+               flags.group(1).split() if flags else [], torch.get_num_threads(), torch.__version__, libs)
+
+
+@dataclass
+class RowOp:
+    """A row-wise op as the engine calls it, fn(x, *args): row i of the result should depend on row i of x only."""
+    name: str
+    fn: Callable[..., torch.Tensor]
+    args: tuple
+    width: int  # columns of x
+    head: bool = False  # the LM head: called with the rows that need logits only
+
+    @property
+    def shape(self) -> str:
+        tensors = [a for a in self.args if isinstance(a, torch.Tensor)]
+        return " ".join("x".join(map(str, t.shape)) for t in tensors) or str(self.width)
+
+
+@dataclass
+class OpClasses:
+    """One op's probe: the call sizes whose every row equals the reference call's, and those that differ."""
+    name: str
+    shape: str
+    agree: list[int]
+    differ: list[int]
+
+
+@dataclass
+class Exactness:
+    mode: str  # "pad", "fixed" or "rows"
+    m0: int  # pad: calls of at least m0 rows are row-invariant; fixed, rows: the rows of every call
+    row_sizes: list[int]  # rows a row-wise call may have below m0 (pad, ending with m0), or always (fixed, rows)
+    attn_sizes: list[int]  # query rows per (sequence, kv head) an attention call may have
+    cpu: str
+    note: str  # how the plan was chosen
+    ops: list[OpClasses] = field(default_factory=list)
+    probe_seconds: float = 0.0
+    cached: bool = False
+
+    def call_rows(self, m: int) -> int:
+        """Rows per call when a row-wise op computes m rows: m itself, or the size to pad to, or the chunk."""
+        if self.mode == "pad" and m >= self.m0:
+            return m
+        return next((s for s in self.row_sizes if s >= m), self.row_sizes[-1])
+
+    def attn_rows(self, r: int) -> int:
+        """Query rows per attention call for r rows: the verified size that computes least (a call costs ~16 rows)."""
+        return min(self.attn_sizes, key=lambda s: (-(-r // s) * (s + 16), -s))
+
+    def summary(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "ops"}
+
+
+def in_calls(fn: Callable[..., torch.Tensor], x: torch.Tensor, size: int, *args) -> torch.Tensor:
+    """fn(x, *args) for a row-wise fn, in calls of exactly `size` rows; the last call is padded with zero rows."""
+    m = x.shape[0]
+    if m == size:
+        return fn(x, *args)
+    x = torch.cat([x, x.new_zeros(-m % size, *x.shape[1:])])
+    return torch.cat([fn(c, *args) for c in x.split(size)])[:m]
+
+
+def rows_plan(cpu: str, note: str) -> Exactness:
+    return Exactness("rows", 1, [1], [1], cpu, note)
+
+
+def probe(model, mode: str, max_rows: int, max_head_rows: int) -> Exactness:
+    """The plan for `model` (a Llama: row_ops(), attend(), config, tile, embed) on this CPU, from the cache or a
+    probe. Never raises: a failed probe gives the rows plan, and says so."""
+    assert mode in MODES, mode
+    cpu = cpu_info()
+    if mode == "rows":
+        return rows_plan(str(cpu), "forced")
+    ops, dtype = model.row_ops(), model.embed.dtype
+    max_rows = max(max_rows, PAD_LIMIT)  # probe the pad regime whatever the batch limit
+    env = {k: v for k, v in os.environ.items() if k.startswith(("MKL_", "OMP_", "KMP_", "ONEDNN_", "DNNL_", "ATEN_"))}
+    key = json.dumps([VERSION, mode, asdict(cpu), env, str(dtype), max_rows, max_head_rows,
+                      [(o.name, o.shape, o.fn.__name__) for o in ops],
+                      [model.config.num_kv_heads, model.config.head_dim, model.tile]])
+    home = os.environ.get("PREFIXCACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "prefixcache"))
+    path = os.path.join(home, "exactness", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        return Exactness(**{**d, "ops": [OpClasses(**o) for o in d["ops"]], "cached": True})
+    except (OSError, ValueError, TypeError):
+        pass
+    t0 = time.perf_counter()
+    try:
+        plan = _choose(ops, _attention(model, dtype), mode, max_rows, max_head_rows, dtype, str(cpu))
+    except Exception as e:  # noqa: BLE001 -- a probe must never stop the engine
+        log.warning("exactness probe failed (%r): computing one row per call", e)
+        return rows_plan(str(cpu), f"probe failed: {e!r}")
+    plan.probe_seconds = round(time.perf_counter() - t0, 3)
+    if mode != plan.mode and not (mode == "auto" and plan.mode == "pad"):
+        log.warning("exactness: %s asked, %s chosen: %s", mode, plan.mode, plan.note)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.tmp{os.getpid()}", "w") as f:
+            json.dump(asdict(plan), f)
+        os.replace(f"{path}.tmp{os.getpid()}", path)
+    except OSError as e:
+        log.info("exactness: could not cache the probe at %s: %s", path, e)
+    return plan
+
+
+# A probe target: g(lo, hi, size) computes rows lo..hi of the probe input in calls of `size` rows, rows first.
+Target = Callable[[int, int, int], torch.Tensor]
+
+
+def _choose(ops: list[RowOp], attention: Target, mode: str, max_rows: int, max_head_rows: int, dtype: torch.dtype,
+            cpu: str) -> Exactness:
+    gen = torch.Generator().manual_seed(0)
+    targets = [_row_target(op, max_rows + 1, dtype, gen) for op in ops]
+    classes, row_sizes, attn_sizes, note = [], None, None, "forced"
+    if mode != "fixed":
+        classes = [_classes(op.name, op.shape, t, _sizes(max_rows)) for op, t in zip(ops, targets) if not op.head]
+        m0 = max(map(_m0, classes))
+        # the head sees at most max_head_rows rows, padded to at most m0: probe it densely up to there only
+        head_rows = max(max_head_rows, m0 if m0 <= PAD_LIMIT else 0)
+        classes += [_classes(op.name, op.shape, t, list(range(1, head_rows + 1)))
+                    for op, t in zip(ops, targets) if op.head]
+        m0 = max(map(_m0, classes))
+        if m0 <= min(PAD_LIMIT, head_rows):
+            row_sizes = [s for s in range(1, m0) if all(s in c.agree for c in classes)] + [m0]
+            note = f"calls of {m0}+ rows agree with the reference, and of {row_sizes[:-1]} rows"
+        else:
+            note = f"calls agree only from {m0} rows on"
+        attn = _classes("attention", "query rows", attention, list(ATTN_SIZES), ATTN_SIZES[-1])
+        if any(s <= PAD_LIMIT for s in attn.agree):
+            attn_sizes = attn.agree
+        classes.append(attn)
+    need = (targets if row_sizes is None else []) + ([attention] if attn_sizes is None else [])
+    chunk = next((c for c in CHUNKS if all(_position_invariant(t, c) for t in need)), 1) if need else 0
+    if row_sizes is not None:
+        return Exactness("pad", m0, row_sizes, attn_sizes or [chunk], cpu, note, classes)
+    note += f"; chunks of {chunk} rows are position-invariant" if chunk > 1 else f"; no chunk of {CHUNKS} rows is"
+    return Exactness("fixed" if chunk > 1 else "rows", chunk, [chunk], attn_sizes or [chunk], cpu, note, classes)
+
+
+def _row_target(op: RowOp, n_rows: int, dtype: torch.dtype, gen: torch.Generator) -> Target:
+    x = torch.randn(n_rows, op.width, generator=gen).to(dtype)
+    return lambda lo, hi, size: in_calls(op.fn, x[lo:hi], size, *op.args)
+
+
+def _attention(model, dtype: torch.dtype) -> Target:
+    """Attention as the engine runs it, over two key tiles (so the log-sum-exp merge is exercised). The rows are
+    sequence 0's; a call from row 0 carries one more sequence per thread, so every comparison also varies how
+    many batch entries share the call."""
+    c, tile, b = model.config, model.tile, 1 + torch.get_num_threads()
+    gen = torch.Generator().manual_seed(1)
+    rows = ATTN_SIZES[-1] + 1
+    q = torch.randn(b, c.num_kv_heads, rows, c.head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(b, c.num_kv_heads, 2 * tile, c.head_dim, generator=gen).to(dtype) for _ in range(2))
+    q_pos = torch.randint(0, 2 * tile, (b, rows), generator=gen)
+
+    def g(lo: int, hi: int, size: int) -> torch.Tensor:
+        n = b if lo == 0 else 1
+        return model.attend(q[:n, :, lo:hi], k[:n], v[:n], q_pos[:n, lo:hi], size)[0].movedim(1, 0)
+    return g
+
+
+def _sizes(limit: int) -> list[int]:
+    """Every row count up to PAD_LIMIT, then power-of-two +-1, 3 * power-of-two and prime counts up to the limit."""
+    spread = {b for k in range(6, limit.bit_length() + 1) for b in (2 ** k - 1, 2 ** k, 2 ** k + 1, 3 << (k - 1))}
+    return sorted({*range(1, min(limit, PAD_LIMIT) + 1), *(s for s in (*spread, *PRIMES) if s <= limit), limit})
+
+
+def _classes(name: str, shape: str, g: Target, sizes: list[int], ref_size: int = 0) -> OpClasses:
+    """Each size's call (rows 1..1+size, so every row sits one place earlier than in the reference) against the
+    reference: rows 0..max(sizes) in one call, or in calls of ref_size rows."""
+    n = sizes[-1] + 1
+    ref = g(0, n, ref_size or n)
+    agree = [s for s in sizes if torch.equal(g(1, 1 + s, s), ref[1:1 + s])]
+    return OpClasses(name, shape, agree, [s for s in sizes if s not in agree])
+
+
+def _m0(c: OpClasses) -> int:
+    """The smallest probed size from which every probed size agrees (past the last size if the last differs)."""
+    sizes = sorted(c.agree + c.differ)
+    return next((s for s in sizes if s > max(c.differ)), sizes[-1] + 1) if c.differ else sizes[0]
+
+
+def _position_invariant(g: Target, chunk: int) -> bool:
+    """In calls of exactly `chunk` rows, a row's bits do not depend on its place in the call."""
+    n = 2 * chunk + 1
+    return torch.equal(g(1, n, chunk), g(0, n, chunk)[1:])
+
+
+def step_ms(model, rows: int, plan: Exactness | None = None, repeats: int = 5) -> float:
+    """Median time of one engine step's row-wise ops (every layer's, then the head) on `rows` rows: as the plan
+    runs them, or unpadded without one."""
+    ops, num_layers = model.row_ops(), model.config.num_layers
+    size = plan.call_rows(rows) if plan else rows
+    xs = {op.name: torch.randn(rows, op.width).to(model.embed.dtype) for op in ops}
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for op in ops:
+            for _ in range(1 if op.head else num_layers):
+                in_calls(op.fn, xs[op.name], size, *op.args)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
