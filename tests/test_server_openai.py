@@ -194,7 +194,9 @@ def test_metrics_move(srv):
 
 def test_models_and_health(srv):
     assert [m.id for m in client(srv).models.list()] == [srv.server.model_name]
-    assert httpx.get(f"{srv.url}/health").json()["status"] == "ok"
+    health = httpx.get(f"{srv.url}/health").json()
+    assert health["status"] == "ok" and health["exactness"] == srv.server.engine.exactness.summary()
+    assert health["exactness"]["mode"] in ("pad", "fixed", "rows")
 
 
 def test_one_json_log_line_per_request(srv, caplog):

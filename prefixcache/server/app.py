@@ -143,7 +143,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         pool = server.engine.pool
-        return {"status": "ok", "model": server.model_name, "kv_bytes_per_token": pool.block_bytes // pool.block_size}
+        return {"status": "ok", "model": server.model_name, "kv_bytes_per_token": pool.block_bytes // pool.block_size,
+                "exactness": server.engine.exactness.summary()}
 
     @app.get("/v1/models")
     async def models(request: Request):
