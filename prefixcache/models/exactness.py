@@ -15,15 +15,18 @@ rows, compares each row with a reference call, and picks a plan:
 Attention runs in calls of exactly q query rows per (sequence, kv head), with q from the sizes that agree
 (fixed: C; rows: 1). RoPE, the residual adds and the embedding need no plan: each output element is one
 IEEE operation (or a copy) of its own row's values, which no vector width or thread split changes.
-Results are cached per CPU, flags, library versions, threads and shapes under $PREFIXCACHE_HOME/exactness.
+Results are cached per CPU, flags, library versions, threads, shapes and the source of the ops and the probe,
+under $PREFIXCACHE_HOME/exactness.
 """
 import hashlib
+import inspect
 import json
 import logging
 import os
 import platform
 import re
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -38,7 +41,6 @@ CHUNKS = (16, 8, 4, 2)  # fixed-mode chunk sizes, tried in order
 ATTN_SIZES = (*range(1, 17), 24, 32, 48, 64, 128, 256)  # query rows per attention call; the last is the reference
 PRIMES = (67, 97, 131, 251, 311, 509, 1021, 2039, 4093, 8191)
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-VERSION = 2  # bump when the probe changes, so cached results are ignored
 
 
 @dataclass
@@ -151,9 +153,9 @@ def probe(model, mode: str, max_rows: int, max_head_rows: int) -> Exactness:
     ops, dtype = model.row_ops(), model.embed.dtype
     max_rows = max(max_rows, PAD_LIMIT)  # probe the pad regime whatever the batch limit
     env = {k: v for k, v in os.environ.items() if k.startswith(("MKL_", "OMP_", "KMP_", "ONEDNN_", "DNNL_", "ATEN_"))}
-    key = json.dumps([VERSION, mode, asdict(cpu), env, str(dtype), max_rows, max_head_rows,
-                      [(o.name, o.shape, o.fn.__name__) for o in ops],
-                      [model.config.num_kv_heads, model.config.head_dim, model.tile]])
+    code = "".join(inspect.getsource(sys.modules[m]) for m in (__name__, type(model).__module__))  # ops and probe
+    key = json.dumps([code, mode, asdict(cpu), env, str(dtype), max_rows, max_head_rows,
+                      [(o.name, o.shape) for o in ops], [model.config.num_kv_heads, model.config.head_dim, model.tile]])
     home = os.environ.get("PREFIXCACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "prefixcache"))
     path = os.path.join(home, "exactness", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
     try:
@@ -200,7 +202,8 @@ def _choose(ops: list[RowOp], attention: Target, mode: str, max_rows: int, max_h
         m0 = max(map(_m0, classes))
         if m0 <= min(PAD_LIMIT, head_rows):
             row_sizes = [s for s in range(1, m0) if all(s in c.agree for c in classes)] + [m0]
-            note = f"calls of {m0}+ rows agree with the reference, and of {row_sizes[:-1]} rows"
+            note = f"calls of {m0}+ rows agree with the reference"
+            note += f", and of {row_sizes[:-1]} rows" if len(row_sizes) > 1 else ""
         else:
             note = f"calls agree only from {m0} rows on"
         attn = _classes("attention", "query rows", attention, list(ATTN_SIZES), ATTN_SIZES[-1])
@@ -267,14 +270,14 @@ def _position_invariant(g: Target, chunk: int) -> bool:
 def step_ms(model, rows: int, plan: Exactness | None = None, repeats: int = 5) -> float:
     """Median time of one engine step's row-wise ops (every layer's, then the head) on `rows` rows: as the plan
     runs them, or unpadded without one."""
-    ops, num_layers = model.row_ops(), model.config.num_layers
+    layers = [model.row_ops(i) for i in range(model.config.num_layers)]
+    ops = [op for i, layer in enumerate(layers) for op in layer if i == 0 or not op.head]
     size = plan.call_rows(rows) if plan else rows
-    xs = {op.name: torch.randn(rows, op.width).to(model.embed.dtype) for op in ops}
+    xs = {op.name: torch.randn(rows, op.width).to(model.embed.dtype) for op in layers[0]}
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for op in ops:
-            for _ in range(1 if op.head else num_layers):
-                in_calls(op.fn, xs[op.name], size, *op.args)
+            in_calls(op.fn, xs[op.name], size, *op.args)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
