@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_doctor(args) -> None:
     from prefixcache.config import Config
     from prefixcache.engine.engine import Engine
-    from prefixcache.models.exactness import cpu_info, step_ms
+    from prefixcache.models.exactness import KEY_STEP, cpu_info, step_ms
     from prefixcache.options import resolve
 
     engine = Engine(Config(**resolve(args)[0]))
@@ -148,19 +148,20 @@ def cmd_doctor(args) -> None:
         print(f"  {c.name:10} {c.shape:12} agree {_ranges(c.agree) or '-'}; differ {_ranges(c.differ) or '-'}")
     rows = {"pad": f"calls under {plan.m0} rows padded to {_ranges(plan.row_sizes)} rows",
             "fixed": f"every call in chunks of {plan.m0} rows", "rows": "one row per call"}[plan.mode]
-    print(f"mode     {plan.mode}: {rows}; attention calls of {_ranges(plan.attn_sizes)} query rows\n"
-          f"note     {plan.note}")
+    keys = [*plan.key_lengths, model.tile]
+    print(f"mode     {plan.mode}: {rows}; attention calls of {_ranges(plan.attn_sizes)} query rows over "
+          f"{_ranges(keys, KEY_STEP)} keys (a tile's keys padded to the next)\nnote     {plan.note}")
     for b in (1, 8):
         bare, run = step_ms(model, b), step_ms(model, b, plan)
         print(f"cost     b={b}: one decode step's GEMMs, norms and SwiGLU {bare:.1f} ms unpadded, {run:.1f} ms as "
               f"run ({plan.call_rows(b)} rows per call): x{run / bare:.2f}")
 
 
-def _ranges(values: list[int]) -> str:
-    """[1, 2, 3, 5, 8, 9] -> "1-3, 5, 8-9"."""
+def _ranges(values: list[int], step: int = 1) -> str:
+    """[1, 2, 3, 5, 8, 9] -> "1-3, 5, 8-9"; with step 16, [16, 32, 48, 80] -> "16-48, 80"."""
     runs = []
     for v in values:
-        if runs and v == runs[-1][1] + 1:
+        if runs and v == runs[-1][1] + step:
             runs[-1][1] = v
         else:
             runs.append([v, v])

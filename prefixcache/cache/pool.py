@@ -6,10 +6,14 @@ import torch
 
 
 class KVPool:
-    """Block 0 is a permanent all-zero block: block tables are padded with it, so padded keys are finite."""
+    """Block 0 is a permanent all-zero block: block tables are padded with it, so padded keys are finite.
+
+    Blocks are handed out in consecutive runs where possible, since attention reads a tile of consecutive blocks
+    where it lies instead of gathering it: a sequence's new blocks continue its last one if free, else start a run
+    at a multiple of `run` blocks (an attention tile), where no other sequence's run is about to grow."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, budget_bytes: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, run: int = 1):
         self.block_size = block_size
         self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
         self.num_blocks = budget_bytes // self.block_bytes
@@ -17,21 +21,33 @@ class KVPool:
         shape = (num_layers, self.num_blocks * block_size, num_kv_heads, head_dim)
         self.k = _lazy_zeros(shape, dtype)
         self.v = _lazy_zeros(shape, dtype)
+        self.run = run
         self.refs = [0] * self.num_blocks
         self.refs[0] = 1
-        self.free: list[int] = list(range(self.num_blocks - 1, 0, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
+        self.is_free = np.ones(self.num_blocks, dtype=bool)
+        self.is_free[0] = False
+        self.num_free = self.num_blocks - 1
 
     @property
     def usable_blocks(self) -> int:
         return self.num_blocks - 1
 
-    def allocate(self, n: int) -> list[int]:
-        assert n <= len(self.free), "allocate beyond the budget"
-        ids = [self.free.pop() for _ in range(n)]
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """n blocks: those right after block `after` if free, else the first run-aligned free run of n, else the
+        lowest free ones."""
+        assert n <= self.num_free, "allocate beyond the budget"
+        if n == 0:
+            return []
+        free = self.is_free
+        if after is not None and after + 1 + n <= self.num_blocks and free[after + 1: after + 1 + n].all():
+            ids = list(range(after + 1, after + 1 + n))
+        else:
+            counts = np.concatenate([[0], np.cumsum(free)])
+            starts = np.arange(0, self.num_blocks - n + 1, self.run)
+            runs = starts[counts[starts + n] - counts[starts] == n]
+            ids = list(range(runs[0], runs[0] + n)) if len(runs) else np.flatnonzero(free)[:n].tolist()
+        free[ids] = False
+        self.num_free -= n
         for b in ids:
             self.refs[b] = 1
         return ids
@@ -44,7 +60,8 @@ class KVPool:
         assert block != 0 and self.refs[block] > 0, "unref on a free block"
         self.refs[block] -= 1
         if self.refs[block] == 0:
-            self.free.append(block)
+            self.is_free[block] = True
+            self.num_free += 1
 
     def copy(self, src: int, dst: int, n_tokens: int) -> None:
         """Copy-on-write: the first n_tokens of block src into block dst, in every layer."""

@@ -66,7 +66,7 @@ class BlockManager:
             for n in used:
                 self.pool.unref(n.block)
             return False
-        fresh = self.pool.allocate(needed)
+        fresh = self.pool.allocate(needed, m.nodes[-1].block if m.nodes else None)
         self.cache.touch(used)
         if m.partial:
             self.pool.copy(m.partial.block, fresh[0], m.partial_len)
@@ -103,7 +103,7 @@ class BlockManager:
             return True
         if not self._reserve(needed):
             return False
-        seq.block_table += self.pool.allocate(needed)
+        seq.block_table += self.pool.allocate(needed, seq.block_table[-1] if seq.block_table else None)
         return True
 
     # ---- publishing ---------------------------------------------------------------------------------------

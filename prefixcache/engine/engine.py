@@ -38,7 +38,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or weights.config.max_position, weights.config.max_position)
         c = weights.config
         self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, config.kv_cache_bytes,
-                           getattr(torch, config.kv_dtype))
+                           getattr(torch, config.kv_dtype), run=config.attn_tile // config.block_size)
         self.blocks = BlockManager(self.pool, config.enable_prefix_cache, config.min_cache_tokens,
                                     config.default_ttl, config.shared_prefixes, config.log_cross_scope_misses)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps)

@@ -12,8 +12,9 @@ rows, compares each row with a reference call, and picks a plan:
   fixed  no such m0: a chunk size C at which a row's bits do not depend on its place in the call; every
          row-wise op then runs in calls of exactly C rows, the last one padded;
   rows   neither: one row per call, the same shape every time (guaranteed, slow).
-Attention runs in calls of exactly q query rows per (sequence, kv head), with q from the sizes that agree
-(fixed: C; rows: 1). RoPE, the residual adds and the embedding need no plan: each output element is one
+Attention runs in calls of exactly q query rows per (tile, kv head), with q from the sizes that agree (fixed: C;
+rows: 1), and of the keys of a whole tile or of a shorter length found to give the same bits (on the Zen 4: up to
+192 and from 384 keys of a 512-key tile, not between). RoPE, the residual adds and the embedding need no plan: each output element is one
 IEEE operation (or a copy) of its own row's values, which no vector width or thread split changes.
 Results are cached per CPU, flags, library versions, threads, shapes and the source of the ops and the probe,
 under $PREFIXCACHE_HOME/exactness.
@@ -33,12 +34,16 @@ from typing import Callable
 
 import torch
 
+from prefixcache.models import attention
+from prefixcache.models.attention import Queries
+
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "pad", "fixed", "rows")
 PAD_LIMIT = 64  # pad only below this many rows: probed densely, and padding further costs too much
 CHUNKS = (16, 8, 4, 2)  # fixed-mode chunk sizes, tried in order
 ATTN_SIZES = (*range(1, 17), 24, 32, 48, 64, 128, 256)  # query rows per attention call; the last is the reference
+KEY_STEP = 16  # probed key lengths are multiples of this, which every SIMD width divides
 PRIMES = (67, 97, 131, 251, 311, 509, 1021, 2039, 4093, 8191)
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
@@ -109,10 +114,11 @@ class Exactness:
     mode: str  # "pad", "fixed" or "rows"
     m0: int  # pad: calls of at least m0 rows are row-invariant; fixed, rows: the rows of every call
     row_sizes: list[int]  # rows a row-wise call may have below m0 (pad, ending with m0), or always (fixed, rows)
-    attn_sizes: list[int]  # query rows per (sequence, kv head) an attention call may have
+    attn_sizes: list[int]  # query rows per (tile, kv head) an attention call may have
     cpu: str
     note: str  # how the plan was chosen
     ops: list[OpClasses] = field(default_factory=list)
+    key_lengths: list[int] = field(default_factory=list)  # keys an attention call may have below a whole tile
     probe_seconds: float = 0.0
     cached: bool = False
 
@@ -125,6 +131,10 @@ class Exactness:
     def attn_rows(self, r: int) -> int:
         """Query rows per attention call for r rows: the verified size that computes least (a call costs ~16 rows)."""
         return min(self.attn_sizes, key=lambda s: (-(-r // s) * (s + 16), -s))
+
+    def key_length(self, real: int, tile: int) -> int:
+        """Keys in the call for a tile with `real` keys: the next verified length, or the whole tile."""
+        return next((n for n in self.key_lengths if n >= real), tile)
 
     def summary(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "ops"}
@@ -153,7 +163,7 @@ def probe(model, mode: str, max_rows: int, max_head_rows: int) -> Exactness:
     ops, dtype = model.row_ops(), model.embed.dtype
     max_rows = max(max_rows, PAD_LIMIT)  # probe the pad regime whatever the batch limit
     env = {k: v for k, v in os.environ.items() if k.startswith(("MKL_", "OMP_", "KMP_", "ONEDNN_", "DNNL_", "ATEN_"))}
-    code = "".join(inspect.getsource(sys.modules[m]) for m in (__name__, type(model).__module__))  # ops and probe
+    code = "".join(inspect.getsource(sys.modules[m]) for m in (__name__, type(model).__module__, attention.__name__))
     key = json.dumps([code, mode, asdict(cpu), env, str(dtype), max_rows, max_head_rows,
                       [(o.name, o.shape) for o in ops], [model.config.num_kv_heads, model.config.head_dim, model.tile]])
     home = os.environ.get("PREFIXCACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "prefixcache"))
@@ -167,6 +177,7 @@ def probe(model, mode: str, max_rows: int, max_head_rows: int) -> Exactness:
     t0 = time.perf_counter()
     try:
         plan = _choose(ops, _attention(model, dtype), mode, max_rows, max_head_rows, dtype, str(cpu))
+        plan.key_lengths = _key_lengths(model, dtype, plan.attn_sizes)
     except Exception as e:  # noqa: BLE001 -- a probe must never stop the engine
         log.warning("exactness probe failed (%r): computing one row per call", e)
         return rows_plan(str(cpu), f"probe failed: {e!r}")
@@ -224,20 +235,56 @@ def _row_target(op: RowOp, n_rows: int, dtype: torch.dtype, gen: torch.Generator
 
 
 def _attention(model, dtype: torch.dtype) -> Target:
-    """Attention as the engine runs it, over two key tiles (so the log-sum-exp merge is exercised). The rows are
-    sequence 0's; a call from row 0 carries one more sequence per thread, so every comparison also varies how
-    many batch entries share the call."""
-    c, tile, b = model.config, model.tile, 1 + torch.get_num_threads()
+    """Attention as the engine runs it, over two tiles of keys (so the merge is exercised; the first read in place,
+    the second gathered). The rows are query tokens of one sequence at random positions; a call from row 0 also
+    carries a second sequence reading the same blocks (the cascade), so each comparison also varies who shares it."""
+    c, tile, n = model.config, model.tile, ATTN_SIZES[-1] + 1
     gen = torch.Generator().manual_seed(1)
-    rows = ATTN_SIZES[-1] + 1
-    q = torch.randn(b, c.num_kv_heads, rows, c.head_dim, generator=gen).to(dtype)
-    k, v = (torch.randn(b, c.num_kv_heads, 2 * tile, c.head_dim, generator=gen).to(dtype) for _ in range(2))
-    q_pos = torch.randint(0, 2 * tile, (b, rows), generator=gen)
+    q = torch.randn(2 * n, c.num_heads, c.head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(2 * tile, c.num_kv_heads, c.head_dim, generator=gen).to(dtype) for _ in range(2))
+    pos = torch.randint(0, 2 * tile, (2 * n,), generator=gen).tolist()
+    table = _table(tile, gen)
 
     def g(lo: int, hi: int, size: int) -> torch.Tensor:
-        n = b if lo == 0 else 1
-        return model.attend(q[:n, :, lo:hi], k[:n], v[:n], q_pos[:n, lo:hi], size)[0].movedim(1, 0)
+        m = hi - lo
+        queries = [Queries(0, pos[lo:hi], 2 * tile, table)]
+        rows = q[lo:hi]
+        if lo == 0:
+            queries.append(Queries(m, pos[n:n + m], 2 * tile, table))
+            rows = torch.cat([rows, q[n:n + m]])
+        return _attend(model, rows, k, v, queries, [size], [])[:m]
     return g
+
+
+def _key_lengths(model, dtype: torch.dtype, sizes: list[int]) -> list[int]:
+    """Key counts below a whole tile (multiples of KEY_STEP) whose call gives each row the bits of the whole
+    tile's call with the extra keys masked, for every query size in `sizes`."""
+    c, tile = model.config, model.tile
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(8, c.num_heads, c.head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(2 * tile, c.num_kv_heads, c.head_dim, generator=gen).to(dtype) for _ in range(2))
+    table, good = _table(tile, gen), []
+    for length in range(KEY_STEP, tile, KEY_STEP):
+        pos = torch.randint(0, tile + length, (len(q),), generator=gen).tolist()
+        queries = [Queries(0, pos[:-1] + [tile + length - 1], tile + length, table)]
+        if all(torch.equal(_attend(model, q, k, v, queries, [s], [length]), _attend(model, q, k, v, queries, [s], []))
+               for s in sizes):
+            good.append(length)
+    return good
+
+
+def _table(tile: int, gen: torch.Generator) -> list[int]:
+    """Blocks of KEY_STEP keys for two tiles: the first tile's consecutive, the second's shuffled."""
+    per_tile = tile // KEY_STEP
+    return list(range(per_tile)) + (per_tile + torch.randperm(per_tile, generator=gen)).tolist()
+
+
+def _attend(model, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: list[Queries], attn_sizes: list[int],
+            key_lengths: list[int]) -> torch.Tensor:
+    """The model's attention over pool k, v in blocks of KEY_STEP keys, under the given sizes and lengths."""
+    exact = Exactness("pad", 1, [1], attn_sizes, "", "", key_lengths=key_lengths)
+    plan = model.attn_plan(queries, len(q), KEY_STEP, len(k), exact)
+    return attention.attend(q, k, v, plan, *attention.empty_results(plan, *q.shape, q.dtype))
 
 
 def _sizes(limit: int) -> list[int]:

@@ -2,9 +2,8 @@
 
 A token's result is a function of its own inputs and its keys only, so chunking, batching and cache hits give
 bit-identical results: every row-wise op (the GEMMs, RMSNorm, SwiGLU) runs in calls whose row counts the startup
-probe verified on this CPU (models/exactness.py); attention runs torch's fused CPU flash kernel on fixed tiles of
-keys aligned to absolute positions, in calls of verified query-row counts, and merges the tiles by their
-log-sum-exp in order.
+probe verified on this CPU (models/exactness.py), and attention in calls whose query rows and keys it verified
+(models/attention.py).
 """
 from dataclasses import dataclass
 
@@ -12,23 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.cache.pool import KVPool
+from prefixcache.models import attention
+from prefixcache.models.attention import Queries
 from prefixcache.models.exactness import Exactness, RowOp, in_calls, rows_plan
 from prefixcache.models.loader import Weights
 
-MASKED = -1e30
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns the log-sum-exp per row too
 _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # in every x86-64 build of torch
-
-
-@dataclass
-class AttnGroup:
-    """Queries of b sequences, m rows each, laid out sequence-major in the flat batch from `start`."""
-
-    start: int
-    b: int
-    m: int
-    block_tables: torch.Tensor  # [b, n_blocks] long, padded with block 0 to a multiple of the tile
-    q_pos: torch.Tensor  # [b, m] long, absolute positions
 
 
 @dataclass
@@ -36,7 +24,7 @@ class Batch:
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
     slots: torch.Tensor  # [N] flat pool slot each token's K/V is written to
-    groups: list[AttnGroup]
+    queries: list[Queries]  # each sequence's tokens in the batch
 
 
 class Llama:
@@ -69,9 +57,12 @@ class Llama:
     def forward(self, batch: Batch, pool: KVPool) -> torch.Tensor:
         """Hidden states [N, hidden] after the final norm; writes every token's K/V into the pool."""
         c, eps = self.config, self.config.rms_norm_eps
+        n = len(batch.input_ids)
         x = F.embedding(batch.input_ids, self.embed)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        plan = self.attn_plan(batch.queries, n, pool.block_size, pool.k.shape[1])
+        results = attention.empty_results(plan, n, c.num_heads, c.head_dim, x.dtype)
         for i, L in enumerate(self.layers):
             qkv = self._rows(_norm_linear, x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
             q = qkv[:, :nq].view(-1, c.num_heads, c.head_dim)
@@ -80,13 +71,17 @@ class Llama:
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             pool.k[i].index_copy_(0, batch.slots, k.to(pool.k.dtype))
             pool.v[i].index_copy_(0, batch.slots, v.to(pool.v.dtype))
-            o = torch.empty_like(q)
-            for g in batch.groups:
-                rows = slice(g.start, g.start + g.b * g.m)
-                o[rows] = self._attend_group(q[rows], pool, i, g)
+            o = attention.attend(q, pool.k[i], pool.v[i], plan, *results)
             x = x + self._rows(_linear, o.view(-1, nq), L["o"])
             x = x + self._rows(_mlp, x, L["ln2"], eps, L["gate_up"], L["down"])
         return self._rows(_rms_norm, x, self.norm, eps)
+
+    def attn_plan(self, queries: list[Queries], num_tokens: int, block_size: int, pool_slots: int,
+                  exact: Exactness | None = None) -> attention.AttnPlan:
+        """The step's attention calls, under this model's exactness plan (or another, for the probe)."""
+        c = self.config
+        return attention.plan(queries, num_tokens, self.tile, block_size, pool_slots, exact or self.exact,
+                              c.num_kv_heads, c.num_heads // c.num_kv_heads, self.embed.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._rows(_linear, hidden, self.lm_head)
@@ -105,60 +100,6 @@ class Llama:
     def _rows(self, fn, x: torch.Tensor, *args) -> torch.Tensor:
         """A row-wise fn(x, *args), in calls of the row counts the exactness plan verified."""
         return in_calls(fn, x, self.exact.call_rows(x.shape[0]), *args)
-
-    def _attend_group(self, q: torch.Tensor, pool: KVPool, layer: int, g: AttnGroup) -> torch.Tensor:
-        c = self.config
-        kvh, grp, d, bs = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim, pool.block_size
-        # rows of one kv head: (group member, query) pairs, so GQA needs no repeated keys
-        q = q.view(g.b, g.m, kvh, grp, d).permute(0, 2, 3, 1, 4).reshape(g.b, kvh, grp * g.m, d)
-        k = _gather(pool.k[layer], g.block_tables, bs, q.dtype)  # [b, kvh, n_keys, d]
-        v = _gather(pool.v[layer], g.block_tables, bs, q.dtype)
-        q_pos = g.q_pos.unsqueeze(1).expand(g.b, grp, g.m).reshape(g.b, grp * g.m)
-        out = self.attend(q, k, v, q_pos, self.exact.attn_rows(grp * g.m))
-        return out.view(g.b, kvh, grp, g.m, d).permute(0, 3, 1, 2, 4).reshape(g.b * g.m, c.num_heads, d)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, size: int) -> torch.Tensor:
-        """Causal attention of q [b, kvh, r, d] at absolute positions q_pos [b, r] over k, v [b, kvh, n_keys, d].
-        Each kernel call sees exactly `size` query rows per batch entry and kv head: the rows are padded to a
-        multiple of `size`, and their blocks become batch entries of the call. With size 1, each entry is a call
-        of its own: for a lone query row the kernel splits the keys by how many entries share the call."""
-        b, kvh, r, d = q.shape
-        n = -(-r // size)
-        pad = n * size - r
-        q = F.pad(q, (0, 0, 0, pad)).view(b, kvh, n, size, d).transpose(1, 2).reshape(b * n, kvh, size, d)
-        q_pos = F.pad(q_pos, (0, pad)).view(b * n, 1, size, 1)
-        # the same keys for each block of rows: a view when b or n is 1, else a copy
-        k, v = (t.unsqueeze(1).expand(b, n, *t.shape[1:]).reshape(b * n, *t.shape[1:]) for t in (k, v))
-        entries = zip(q.split(1), k.split(1), v.split(1), q_pos.split(1)) if size == 1 else [(q, k, v, q_pos)]
-        out = torch.cat([_tiles(*e, self.tile) for e in entries])  # [b*n, kvh, size, d]
-        return out.view(b, n, kvh, size, d).transpose(1, 2).reshape(b, kvh, n * size, d)[:, :, :r]
-
-
-def _tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, tile: int) -> torch.Tensor:
-    """The flash kernel on each tile of keys, the tiles merged by their log-sum-exp in order."""
-    n_tiles = min(k.shape[2], int(q_pos.max()) + tile) // tile
-    for t in range(n_tiles):
-        ks = slice(t * tile, (t + 1) * tile)
-        # a finite mask: a row that sees no key of this tile gets weight exp(-1e30) == 0, never NaN
-        mask = torch.zeros(1, dtype=q.dtype).masked_fill(torch.arange(ks.start, ks.stop) > q_pos, MASKED)
-        out, lse = _flash(q, k[:, :, ks], v[:, :, ks], 0.0, False, attn_mask=mask, scale=q.shape[-1] ** -0.5)
-        lse = lse.unsqueeze(-1)
-        if t == 0:
-            acc, m_i, l_i = out, lse, torch.ones_like(lse)
-            continue
-        m_new = torch.maximum(m_i, lse)
-        old, new = torch.exp(m_i - m_new), torch.exp(lse - m_new)
-        acc = acc * old + out * new
-        l_i = l_i * old + new
-        m_i = m_new
-    return acc / l_i
-
-
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, bs: int, dtype: torch.dtype) -> torch.Tensor:
-    b, nb = block_tables.shape
-    blocks = torch.index_select(cache.view(-1, bs, *cache.shape[1:]), 0, block_tables.flatten())  # [b*nb, bs, kvh, d]
-    blocks = blocks.view(b, nb * bs, *cache.shape[1:]).transpose(1, 2)
-    return torch.empty(blocks.shape, dtype=dtype).copy_(blocks)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
