@@ -97,11 +97,8 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: AttnP
         qt = rows[t.q_start: t.q_start + t.calls * kvh * t.size].view(t.calls, kvh, t.size, d)
         k, v = (_keys(pool, t, q.dtype) for pool in (k_pool, v_pool))
         # with one row per entry, the kernel splits the keys by how many entries share the call: one call each
-        entries = range(t.calls) if t.size == 1 else [slice(None)]
-        for e in entries:
-            e = slice(e, e + 1) if isinstance(e, int) else e
-            o, m = _flash(qt[e], k.expand(qt[e].shape[0], -1, -1, -1), v.expand(qt[e].shape[0], -1, -1, -1), 0.0,
-                          False, attn_mask=t.mask[e], scale=d ** -0.5)[:2]
+        for e in [slice(i, i + 1) for i in range(t.calls)] if t.size == 1 else [slice(None)]:
+            o, m = _flash(qt[e], k[e], v[e], 0.0, False, attn_mask=t.mask[e], scale=d ** -0.5)[:2]
             outs.append(o.reshape(-1, d))
             lses.append(m.reshape(-1))
     out.index_copy_(0, p.out_index, torch.cat(outs))
@@ -129,9 +126,15 @@ def merge(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 
 def _keys(pool: torch.Tensor, t: Tile, dtype: torch.dtype) -> torch.Tensor:
-    """The tile's keys (or values) as [1, kv heads, length, d]: a view of the pool, or a gather."""
-    k = pool[t.first_slot: t.first_slot + t.length] if t.slots is None else pool.index_select(0, t.slots)
-    return k.to(dtype).permute(1, 0, 2).unsqueeze(0)
+    """The tile's keys (or values) as [calls, kv heads, length, d]: a view of the pool, or a gather."""
+    if t.slots is None and pool.dtype == dtype:
+        offset = pool.storage_offset() + t.first_slot * pool.stride(0)
+    else:
+        pool = pool[t.first_slot: t.first_slot + t.length] if t.slots is None else pool.index_select(0, t.slots)
+        pool = pool.to(dtype)
+        offset = pool.storage_offset()
+    return pool.as_strided((t.calls, pool.shape[1], t.length, pool.shape[2]), (0, pool.stride(1), pool.stride(0), 1),
+                           offset)
 
 
 def _slots(blocks: tuple[int, ...], block_size: int, length: int) -> torch.Tensor:

@@ -128,6 +128,11 @@ class Exactness:
             return m
         return next((s for s in self.row_sizes if s >= m), self.row_sizes[-1])
 
+    def padded_rows(self, m: int) -> int:
+        """m rows padded so that calls of call_rows(m) rows cover them exactly."""
+        size = self.call_rows(m)
+        return -(-m // size) * size
+
     def attn_rows(self, r: int) -> int:
         """Query rows per attention call for r rows: the verified size that computes least (a call costs ~16 rows)."""
         return min(self.attn_sizes, key=lambda s: (-(-r // s) * (s + 16), -s))

@@ -57,24 +57,26 @@ class Llama:
     def forward(self, batch: Batch, pool: KVPool) -> torch.Tensor:
         """Hidden states [N, hidden] after the final norm; writes every token's K/V into the pool."""
         c, eps = self.config, self.config.rms_norm_eps
-        n = len(batch.input_ids)
-        x = F.embedding(batch.input_ids, self.embed)
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+        # padded once to the plan's row count: every row-wise call below then runs unpadded
+        n, pad = len(batch.input_ids), self.exact.padded_rows(len(batch.input_ids)) - len(batch.input_ids)
+        x = F.embedding(F.pad(batch.input_ids, (0, pad)), self.embed)
+        positions = F.pad(batch.positions, (0, pad))
+        cos, sin = self.cos[positions], self.sin[positions]
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        plan = self.attn_plan(batch.queries, n, pool.block_size, pool.k.shape[1])
-        results = attention.empty_results(plan, n, c.num_heads, c.head_dim, x.dtype)
+        plan = self.attn_plan(batch.queries, n + pad, pool.block_size, pool.k.shape[1])  # padding rows attend nothing
+        results = attention.empty_results(plan, n + pad, c.num_heads, c.head_dim, x.dtype)
         for i, L in enumerate(self.layers):
             qkv = self._rows(_norm_linear, x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
             q = qkv[:, :nq].view(-1, c.num_heads, c.head_dim)
             k = qkv[:, nq:nq + nkv].view(-1, c.num_kv_heads, c.head_dim)
             v = qkv[:, nq + nkv:].view(-1, c.num_kv_heads, c.head_dim)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            pool.k[i].index_copy_(0, batch.slots, k.to(pool.k.dtype))
-            pool.v[i].index_copy_(0, batch.slots, v.to(pool.v.dtype))
+            pool.k[i].index_copy_(0, batch.slots, k[:n].to(pool.k.dtype))
+            pool.v[i].index_copy_(0, batch.slots, v[:n].to(pool.v.dtype))
             o = attention.attend(q, pool.k[i], pool.v[i], plan, *results)
             x = x + self._rows(_linear, o.view(-1, nq), L["o"])
             x = x + self._rows(_mlp, x, L["ln2"], eps, L["gate_up"], L["down"])
-        return self._rows(_rms_norm, x, self.norm, eps)
+        return self._rows(_rms_norm, x, self.norm, eps)[:n]
 
     def attn_plan(self, queries: list[Queries], num_tokens: int, block_size: int, pool_slots: int,
                   exact: Exactness | None = None) -> attention.AttnPlan:
