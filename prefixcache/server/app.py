@@ -70,14 +70,14 @@ def load_engine(cfg: ServeConfig) -> Engine:
 
 
 class Server:
-    def __init__(self, cfg: ServeConfig, engine: Engine):
+    def __init__(self, cfg: ServeConfig, worker: EngineWorker):
         self.cfg = cfg
-        self.engine = engine
+        self.worker = worker  # attached to the event loop when the app starts
+        self.engine = engine = worker.engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.keys = Keys(cfg.api_keys) if cfg.api_keys else None
         self.metrics = Metrics(engine.model_name)
-        self.worker: EngineWorker | None = None  # started with the event loop
 
     def auth(self, request: Request) -> Principal:
         return authenticate(self.keys, request.headers)
@@ -107,13 +107,12 @@ class Server:
 def create_app(cfg: ServeConfig) -> FastAPI:
     from prefixcache.server import anthropic, openai, tokens
 
-    server = Server(cfg, load_engine(cfg))
+    server = Server(cfg, EngineWorker(lambda: load_engine(cfg)))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop = asyncio.get_running_loop()
-        server.worker = EngineWorker(server.engine, loop)
-        server.worker.start()
+        server.worker.start(loop)
         if server.keys and threading.current_thread() is threading.main_thread():  # signals reach the main thread
             loop.add_signal_handler(signal.SIGHUP, server.keys.reload)
         yield
