@@ -4,6 +4,7 @@ test_cache_engine.py."""
 import pytest
 import torch
 
+from conftest import GREEDY, generate_with_logits
 from prefixcache import LLM, Config
 from prefixcache.cli import main
 from prefixcache.models.exactness import ATTN_SIZES, in_calls, probe
@@ -80,14 +81,24 @@ def test_kv_dtype_defaults_to_the_activation_dtype(tiny, tiny_model):
     assert half.block_bytes * 2 == tiny.engine.pool.block_bytes
 
 
-def test_bfloat16_weights_need_a_cpu_with_native_bf16(tiny_model):
+def test_bfloat16_weights_need_a_cpu_with_native_bf16_and_stay_exact(tiny_model):
+    """On a CPU with native bf16: the probe plans bf16 (no fallback), and warm, chunked and batched runs give the
+    bits of a cold single run. Elsewhere: a clear error."""
     from prefixcache.models.exactness import cpu_info
 
-    if cpu_info().has_bf16:
-        assert Config(model=tiny_model, dtype="bfloat16").kv_dtype == "bfloat16"
-    else:
+    if not cpu_info().has_bf16:
         with pytest.raises(ValueError, match="avx512_bf16 or AMX"):
             Config(model=tiny_model, dtype="bfloat16")
+        return
+    assert Config(model=tiny_model, dtype="bfloat16").kv_dtype == "bfloat16"
+    cold = LLM(model=tiny_model, dtype="bfloat16", enable_prefix_cache=False, attn_tile=64)
+    warm = LLM(model=tiny_model, dtype="bfloat16", max_batch_tokens=96, attn_tile=64)
+    assert "failed" not in cold.exactness.note and "failed" not in warm.exactness.note
+    prompts = [list(range(4000, 4300)), list(range(4000, 4200)) + [5, 6], [7, 8, 9]]
+    warm.generate(prompts[:1], GREEDY)
+    singles = [generate_with_logits(cold, [p], GREEDY)[1][0] for p in prompts]
+    outs, together = generate_with_logits(warm, prompts, GREEDY)
+    assert outs[1].cached_tokens == 200 and all(torch.equal(a, b) for a, b in zip(singles, together))
 
 
 def test_doctor_prints_the_cpu_the_classes_the_mode_and_its_cost(tiny_model, capsys):

@@ -103,13 +103,15 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: AttnP
             lses.append(m.reshape(-1))
     out.index_copy_(0, p.out_index, torch.cat(outs))
     lse.index_copy_(0, p.out_index, torch.cat(lses))
-    return merge(out[:-1].view(p.num_tiles, n * heads, d), lse[:-1].view(p.num_tiles, n * heads, 1)).view(n, heads, d)
+    o = merge(out[:-1].view(p.num_tiles, n * heads, d), lse[:-1].view(p.num_tiles, n * heads, 1))
+    return o.view(n, heads, d).to(q.dtype)
 
 
 def empty_results(p: AttnPlan, num_tokens: int, heads: int, d: int, dtype: torch.dtype):
-    """Per-tile results that leave a row unchanged in the merge: rows that do not reach a tile keep these."""
+    """Per-tile results that leave a row unchanged in the merge: rows that do not reach a tile keep these. The
+    kernel gives the log-sum-exp in fp32 whatever the dtype, so the merge runs in fp32."""
     n = p.num_tiles * num_tokens * heads + 1
-    return torch.zeros(n, d, dtype=dtype), torch.full((n,), MASKED, dtype=dtype)
+    return torch.zeros(n, d, dtype=dtype), torch.full((n,), MASKED)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
