@@ -13,8 +13,9 @@ import sys
 import time
 
 PREFILL_LENS = (1024, 4096)
-DECODE_CTX, DECODE_TOKENS = 512, 32
+DECODE_CTX, DECODE_TOKENS = 1024, 24
 REPEATS = 3
+GEMMS = ("qkv", "o", "gate_up", "down")  # per layer; plus the LM head
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -33,25 +34,88 @@ def _median(f, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def side_ours(exactness: str = "auto") -> dict:
+def side_ours(exactness: str = "auto", dtype: str = "float32") -> dict:
+    """Our figures; exactness "off" runs the probed plan without its padding (row counts as they come, every
+    attention size and key length): what invariance costs, never a mode to serve with."""
     t0 = time.perf_counter()
     from prefixcache import LLM, SamplingParams
 
-    cold = LLM(enable_prefix_cache=False, exactness=exactness)
+    cold = LLM(enable_prefix_cache=False, exactness="auto" if exactness == "off" else exactness, dtype=dtype)
+    model = cold.engine.runner.model
+    if exactness == "off":
+        model.exact = _unpadded(model.exact, model.tile)
     r = {"load_s": time.perf_counter() - t0, "exactness": cold.exactness.summary()}
     one = SamplingParams(temperature=0.0, max_tokens=1)
+    chunk = cold.engine.config.max_batch_tokens
     for n in PREFILL_LENS:
         ids = _tokens(n, n)
-        r[f"prefill_{n}_tok_s"] = n / _median(lambda: cold.generate([ids], one), 2 if n > 2000 else REPEATS)
-    many = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS + 1, ignore_eos=True)
+        r[f"prefill_{n}_s"] = _median(lambda: cold.generate([ids], one), 2 if n > 2000 else REPEATS)
+        r[f"prefill_{n}_floor_s"] = (n // chunk * _gemm_ms(model, chunk, 0, 2) + _gemm_ms(model, n % chunk, 1)) / 1e3
     for b in (1, 8):
-        prompts = [_tokens(DECODE_CTX, 100 + i) for i in range(b)]
-        prefill = _median(lambda: cold.generate(prompts, one), 1)
-        total = _median(lambda: cold.generate(prompts, many), 2)
-        r[f"decode_b{b}_tok_s"] = b * DECODE_TOKENS / (total - prefill)
+        r[f"decode_b{b}_step_ms"] = _decode_step_ms(cold, b)
+        r[f"decode_b{b}_floor_ms"] = _gemm_ms(model, b, b, 10)
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # one engine, before the cache runs
-    r.update(_cache_figures(cold))
+    if exactness == "auto" and dtype == "float32":
+        r.update(_cache_figures(cold))
+    if dtype == "bfloat16":
+        r["greedy_agreement"] = _greedy_agreement(cold)
     return r
+
+
+def _greedy_agreement(llm, prompts: int = 6, tokens: int = 32) -> dict:
+    """Greedy output of `llm` against our fp32 engine (which equals HF transformers fp32) on chats with ~1k-token
+    system prompts: how many are identical, and where the others first differ."""
+    import random
+
+    from prefixcache import LLM, SamplingParams
+    from prefixcache.bench.workloads import question, system_prompt
+
+    rng = random.Random(3)
+    chats = [[{"role": "system", "content": system_prompt(rng, 1000)}, question(rng, 24)] for _ in range(prompts)]
+    ids = [llm.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
+    greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    ours = [o.token_ids for o in llm.generate(ids, greedy)]
+    ref = [o.token_ids for o in LLM(enable_prefix_cache=False).generate(ids, greedy)]
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ours, ref)]
+    return {"prompts": prompts, "tokens": tokens, "identical": first.count(None),
+            "first_difference": [f for f in first if f is not None]}
+
+
+def _unpadded(plan, tile: int):
+    from prefixcache.models.exactness import ATTN_SIZES, KEY_STEP, Exactness
+
+    return Exactness("pad", 1, [1], list(ATTN_SIZES), plan.cpu, "bench: no padding",
+                     key_lengths=list(range(KEY_STEP, tile, KEY_STEP)))
+
+
+def _decode_step_ms(llm, b: int) -> float:
+    """The median engine step of b sequences decoding at context DECODE_CTX."""
+    from prefixcache import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    seqs = [llm.engine.add_request(_tokens(DECODE_CTX, 100 + i), params) for i in range(b)]
+    while any(s.num_computed < s.num_prompt for s in seqs):
+        llm.engine.step()
+    times = []
+    while llm.engine.has_unfinished():
+        t = time.perf_counter()
+        llm.engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _gemm_ms(model, rows: int, head_rows: int, repeats: int = REPEATS) -> float:
+    """The GEMM floor: the model's weight GEMMs alone, unpadded, every layer's on `rows` rows and the LM head on
+    `head_rows`, in this process (median ms)."""
+    import torch
+
+    from prefixcache.models.llama import _linear
+
+    c = model.config
+    calls = [(rows, op.args) for i in range(c.num_layers) for op in model.row_ops(i) if op.name in GEMMS]
+    calls += [(head_rows, (model.lm_head,))]
+    xs = [torch.randn(m, args[0].shape[1], dtype=model.embed.dtype) for m, args in calls]
+    return _median(lambda: [_linear(x, *args) for x, (m, args) in zip(xs, calls) if m], repeats) * 1e3
 
 
 def _cache_figures(cold) -> dict:
@@ -142,33 +206,50 @@ def side_hf() -> dict:
     with torch.inference_mode():
         for n in PREFILL_LENS:
             ids = torch.tensor([_tokens(n, n)])
-            r[f"prefill_{n}_tok_s"] = n / _median(lambda: model(ids, logits_to_keep=1), 2 if n > 2000 else REPEATS)
+            r[f"prefill_{n}_s"] = _median(lambda: model(ids, logits_to_keep=1), 2 if n > 2000 else REPEATS)
         for b in (1, 8):
             ids = torch.tensor([_tokens(DECODE_CTX, 100 + i) for i in range(b)])
             kw = dict(do_sample=False, pad_token_id=0, min_new_tokens=DECODE_TOKENS + 1)
             prefill = _median(lambda: model.generate(ids, max_new_tokens=1, **{**kw, "min_new_tokens": 1}), 1)
             total = _median(lambda: model.generate(ids, max_new_tokens=DECODE_TOKENS + 1, **kw), 2)
-            r[f"decode_b{b}_tok_s"] = b * DECODE_TOKENS / (total - prefill)
+            r[f"decode_b{b}_step_ms"] = (total - prefill) / DECODE_TOKENS * 1e3
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return r
 
 
-def _run_side(name: str, exactness: str = "auto") -> dict:
-    out = subprocess.run([sys.executable, "-m", "prefixcache.bench.engine", "--side", name, "--exactness", exactness],
-                         capture_output=True, text=True, check=True)
+def _run_side(name: str, exactness: str = "auto", dtype: str = "float32") -> dict:
+    out = subprocess.run([sys.executable, "-m", "prefixcache.bench.engine", "--side", name, "--exactness", exactness,
+                          "--dtype", dtype], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def report(ours: dict, hf: dict, fixed: dict) -> str:
-    rows = [("load time (s)", "load_s", False), ("prefill 1k (tok/s)", "prefill_1024_tok_s", True),
-            ("prefill 4k (tok/s)", "prefill_4096_tok_s", True), ("decode b=1, ctx 512 (tok/s)", "decode_b1_tok_s", True),
-            ("decode b=8, ctx 512 (tok/s)", "decode_b8_tok_s", True), ("peak RSS (MB)", "peak_rss_mb", False)]
-    lines = ["# Engine benchmark", "", f"SmolLM2-135M-Instruct, fp32 weights, {os.cpu_count()} CPU cores. "
-             "Ratio: ours / HF for speeds, HF / ours for time and memory (higher is better for us).", "",
-             "| figure | prefixcache | HF transformers | ratio | prefixcache (fixed) |", "|---|---|---|---|---|"]
-    for label, key, higher in rows:
-        ratio = ours[key] / hf[key] if higher else hf[key] / ours[key]
-        lines.append(f"| {label} | {ours[key]:.2f} | {hf[key]:.2f} | {ratio:.2f}x | {fixed.get(key, 0):.2f} |")
+def report(sides: dict[str, dict], hf: dict, cpu: str) -> str:
+    """sides: our variants by column name, "prefixcache" first; each figure with its ratio to that side's own
+    GEMM floor."""
+    ours = sides["prefixcache"]
+    lines = ["# Engine benchmark", "", f"SmolLM2-135M-Instruct on {cpu}. Each of our figures is followed by its "
+             "ratio to the GEMM floor: the model's weight GEMMs alone at the step's own unpadded row count, in the "
+             "weights' dtype, timed in the same process (prefill: chunks of 512 rows). Padding off: the probed plan "
+             "without its padding (not exact; what exactness costs). Fixed fallback: the guaranteed plan, forced. "
+             f"Decode steps at context {DECODE_CTX}.", "",
+             "| figure | " + " | ".join(sides) + " | HF transformers fp32 | HF / prefixcache |",
+             "|---|" + "---|" * (len(sides) + 2)]
+    for label, key, floor in [("prefill 1k (s)", "prefill_1024_s", "prefill_1024_floor_s"),
+                              ("prefill 4k (s)", "prefill_4096_s", "prefill_4096_floor_s"),
+                              ("decode step b=1 (ms)", "decode_b1_step_ms", "decode_b1_floor_ms"),
+                              ("decode step b=8 (ms)", "decode_b8_step_ms", "decode_b8_floor_ms")]:
+        cells = [f"{r[key]:.3g} ({r[key] / r[floor]:.2f}x)" for r in sides.values()]
+        lines.append(f"| {label} | {' | '.join(cells)} | {hf[key]:.3g} | {hf[key] / ours[key]:.2f}x |")
+    for label, key in (("GEMM floor, decode b=1 (ms)", "decode_b1_floor_ms"),
+                       ("GEMM floor, decode b=8 (ms)", "decode_b8_floor_ms"),
+                       ("load time (s)", "load_s"), ("peak RSS (MB)", "peak_rss_mb")):
+        hf_cells = f"{hf[key]:.3g} | {hf[key] / ours[key]:.2f}x" if key in hf else " | "
+        lines.append(f"| {label} | {' | '.join(f'{r[key]:.3g}' for r in sides.values())} | {hf_cells} |")
+    if "bf16 weights" in sides:
+        g = sides["bf16 weights"]["greedy_agreement"]
+        lines += ["", f"bf16 weights, greedy against fp32 (= HF fp32) on {g['prompts']} chats with ~1k-token system "
+                  f"prompts, {g['tokens']} tokens each: {g['identical']} identical; the others first differ at "
+                  f"token {g['first_difference'] or '-'}."]
     lines += ["", "## Prefix cache", "", "| figure | value |", "|---|---|"]
     for key in ("hit_4096_64_ttft_s", "miss_4096_64_ttft_s", "suffix_floor_64_on_4096_s", "hit_over_floor",
                 "miss_over_hit", "kv_bytes_per_token", "kv_dtype"):
@@ -183,18 +264,25 @@ def report(ours: dict, hf: dict, fixed: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--side", choices=["ours", "hf"])
-    ap.add_argument("--exactness", default="auto", help="ours: the exactness mode (Config.exactness)")
+    ap.add_argument("--exactness", default="auto", help="ours: the exactness mode (Config.exactness), or off")
+    ap.add_argument("--dtype", default="float32", help="ours: the weights' dtype (Config.dtype)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     if args.side:
-        print(json.dumps(side_ours(args.exactness) if args.side == "ours" else side_hf()))
+        print(json.dumps(side_ours(args.exactness, args.dtype) if args.side == "ours" else side_hf()))
         return
-    ours, hf = _run_side("ours"), _run_side("hf")
-    fixed = _run_side("ours", "fixed")  # the cost of the guaranteed fallback
+    from prefixcache.models.exactness import cpu_info
+
+    cpu = cpu_info()
+    sides = {"prefixcache": _run_side("ours"), "padding off": _run_side("ours", "off"),
+             "fixed fallback": _run_side("ours", "fixed")}
+    if cpu.has_bf16:
+        sides["bf16 weights"] = _run_side("ours", dtype="bfloat16")
+    hf = _run_side("hf")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "engine.json"), "w") as f:
-        json.dump({"prefixcache": ours, "hf_transformers": hf, "prefixcache_fixed": fixed}, f, indent=1)
-    md = report(ours, hf, fixed)
+        json.dump({"cpu": str(cpu), **sides, "hf_transformers": hf}, f, indent=1)
+    md = report(sides, hf, str(cpu))
     with open(os.path.join(args.out, "engine.md"), "w") as f:
         f.write(md)
     print(md)
