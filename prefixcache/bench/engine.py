@@ -72,7 +72,9 @@ def _greedy_agreement(llm, prompts: int = 6, tokens: int = 32) -> dict:
 
     rng = random.Random(3)
     chats = [[{"role": "system", "content": system_prompt(rng, 1000)}, question(rng, 24)] for _ in range(prompts)]
-    ids = [llm.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
+    tok = llm.engine.tokenizer
+    ids = [tok(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+           .input_ids for c in chats]
     greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(ids, greedy)]
     ref = [o.token_ids for o in LLM(enable_prefix_cache=False).generate(ids, greedy)]
