@@ -38,6 +38,9 @@ class Config:
     shared_prefixes: list[list[int]] = field(default_factory=list)  # token prefixes shared by all tenants
     log_cross_scope_misses: bool = False  # operator log: flag misses whose next block another scope holds
     fairness_steps: int = 32  # a waiting request is admitted first once it has been passed over this often
+    speculative: str = "off"  # draft tokens from: off | prompt (lookup in the request) | answers (the scope's
+    # recent outputs) | both; every draft is verified, so greedy output is bit-identical (engine/drafter.py)
+    num_speculative_tokens: int = 8  # the longest draft, up to 16; each request's shrinks with its acceptance
     num_threads: int = 0  # 0: torch's default
 
     def __post_init__(self):

@@ -73,6 +73,11 @@ def tenants_server(tmp_path_factory, name: str, log_cross_scope_misses: bool = F
                                            log_cross_scope_misses=log_cross_scope_misses), api_keys=str(d / "keys.json")))
 
 
+def spec_server() -> Running:
+    """The default model with speculative decoding from prompts and answers, no auth."""
+    return _start("spec", ServeConfig(Config(kv_cache_bytes=2**28, speculative="both")))
+
+
 def tiny_server(model: str) -> Running:
     """A random-weight model (fast), no auth, everything cacheable, a budget of a few hundred KV blocks."""
     return _start("tiny", ServeConfig(Config(model=model, kv_cache_bytes=2 * 2**20, min_cache_tokens=0)))

@@ -96,12 +96,13 @@ class BlockManager:
                                           write={}, write_counted=child.num_prompt)
         return True
 
-    def grow(self, seq: Sequence, n_tokens: int) -> bool:
-        """Make room for the next n_tokens of the sequence; False if the pool is exhausted."""
+    def grow(self, seq: Sequence, n_tokens: int, evict: bool = True) -> bool:
+        """Make room for the next n_tokens of the sequence; False if the pool is exhausted (or, with evict False,
+        has too few free blocks)."""
         needed = math.ceil((seq.num_computed + n_tokens) / self.bs) - len(seq.block_table)
         if needed <= 0:
             return True
-        if not self._reserve(needed):
+        if not (self._reserve(needed) if evict else needed <= self.pool.num_free):
             return False
         seq.block_table += self.pool.allocate(needed, seq.block_table[-1] if seq.block_table else None)
         return True

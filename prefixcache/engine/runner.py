@@ -8,14 +8,17 @@ from prefixcache.models.llama import Batch, Llama
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, pool: KVPool):
+    def __init__(self, model: Llama, pool: KVPool, head_rows: int):
         self.model = model
         self.pool = pool
         self.bs = pool.block_size
+        self.head_rows = head_rows  # the LM head's calls have at most this many rows: the counts the probe verified
 
-    def run(self, plan: list[tuple[Sequence, int]]) -> tuple[dict[int, torch.Tensor], dict[int, tuple[int, torch.Tensor]]]:
-        """Compute the planned tokens. Returns next-token logits for sequences that reached their last token, and
-        for sequences that want prompt logprobs, (first position, hidden states) of the computed positions that
+    def run(self, plan: list[tuple[Sequence, int]], verify: set[int] = frozenset()) -> tuple[
+            dict[int, torch.Tensor], dict[int, tuple[int, torch.Tensor]]]:
+        """Compute the planned tokens. Returns next-token logits [rows, vocab] for sequences that reached their last
+        token (one row; a row per computed token for the sequences in `verify`, whose drafts they check), and for
+        sequences that want prompt logprobs, (first position, hidden states) of the computed positions that
         predict a prompt token."""
         ids, pos, slots, queries, rows, owners, prompt_rows = [], [], [], [], [], [], {}
         for seq, m in plan:
@@ -26,12 +29,15 @@ class ModelRunner:
                 pos.append(p)
                 slots.append(seq.block_table[p // self.bs] * self.bs + p % self.bs)
             if start + m == len(seq.tokens):
-                rows.append(len(ids) - 1)
-                owners.append(seq.id)
+                owners.append((seq.id, len(rows)))
+                rows += range(first if seq.id in verify else len(ids) - 1, len(ids))
             n_prompt = min(start + m, seq.num_prompt - 1) - start
             if seq.prompt_logprobs is not None and n_prompt > 0:
                 prompt_rows[seq.id] = (start, first, first + n_prompt)
         hidden = self.model.forward(Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), queries), self.pool)
-        logits = self.model.logits(hidden[rows]) if rows else None
+        head = hidden[rows]
+        logits = torch.cat([self.model.logits(head[i:i + self.head_rows])
+                            for i in range(0, len(rows), self.head_rows)]) if rows else None
         prompt = {sid: (p, hidden[a:b]) for sid, (p, a, b) in prompt_rows.items()}
-        return {sid: logits[i] for i, sid in enumerate(owners)}, prompt
+        ends = [i for _, i in owners[1:]] + [len(rows)]
+        return {sid: logits[i:end] for (sid, i), end in zip(owners, ends)}, prompt

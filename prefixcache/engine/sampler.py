@@ -48,17 +48,36 @@ class Sampler:
         out[rows] = sub
         return out
 
+    def verify(self, logits: torch.Tensor, seq: Sequence, draft: int | None) -> int:
+        """The token at a position whose proposal is `draft` (a deterministic draft token, or None): greedy, the
+        argmax; sampled, the draft with probability p(draft), else a sample of p without the draft, which leaves
+        the distribution of the output exactly p (speculative sampling with a one-point draft)."""
+        if seq.params.temperature == 0 or draft is None:
+            return self._pick(logits, seq)
+        probs, gen = self._probs(logits, seq.params), self._generator(seq)
+        if torch.rand((), generator=gen) < probs[draft]:
+            return draft
+        probs[draft] = 0
+        return int(torch.multinomial(probs, 1, generator=gen))
+
     def _pick(self, logits: torch.Tensor, seq: Sequence) -> int:
-        params = seq.params
-        if params.temperature == 0:
+        if seq.params.temperature == 0:
             return int(torch.argmax(logits))
+        return int(torch.multinomial(self._probs(logits, seq.params), 1, generator=self._generator(seq)))
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
         gen = self.generators.get(seq.id)
         if gen is None:
             gen = self.generators[seq.id] = torch.Generator()
-            if params.seed is not None:
-                gen.manual_seed(params.seed)
+            if seq.params.seed is not None:
+                gen.manual_seed(seq.params.seed)
             else:
                 gen.seed()
+        return gen
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, params) -> torch.Tensor:
+        """The distribution a token is sampled from: temperature, then top-k, then top-p."""
         logits = logits / params.temperature
         if params.top_k:
             kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
@@ -68,7 +87,7 @@ class Sampler:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs, 1, generator=gen))
+        return probs
 
     def forget(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)

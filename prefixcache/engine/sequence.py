@@ -33,6 +33,7 @@ class SamplingParams:
     n: int = 1  # samples returned
     best_of: int | None = None  # samples generated (>= n); the n with the highest cumulative logprob are returned
     guide: Guide | None = None  # structured output: the grammar the output must follow
+    speculative: bool = True  # False: never draft for this request (when the engine's speculation is on)
 
     def __post_init__(self):
         if self.max_tokens is None or self.max_tokens < 1:
@@ -104,6 +105,7 @@ class RequestOutput:
     cumulative_logprob: float = 0.0  # of the output tokens, under the raw logits
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None for the first)
+    accepted_draft_tokens: int = 0  # output tokens that came from verified speculative drafts
 
 
 def best(outputs: list[RequestOutput], n: int) -> list[RequestOutput]:
@@ -166,6 +168,9 @@ class Sequence:
         self.samples = [self]  # the request's samples, on each of them; samples[0] computes the prompt
         self.forks: list[Sequence] = []  # samples waiting to start from this one's prompt (samples[0] only)
         self.cumulative_logprob = 0.0
+        self.draft_len = 0  # the next draft's length (speculation); shrinks with rejections, 0 stops drafting
+        self.draft_misses = 0  # drafts in a row with nothing accepted
+        self.accepted_draft_tokens = 0
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob | None] | None = \
             [None] * self.num_prompt if params.prompt_logprobs is not None else None

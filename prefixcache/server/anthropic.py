@@ -94,6 +94,7 @@ class MessagesRequest(Strict):
     cache_control: CacheControl | None = None
     cache_salt: str | None = None
     prompt_cache_key: str | None = None
+    speculative: bool | None = None  # extension: false opts this request out of speculative decoding
 
 
 def build_prompt(tokenizer, req: MessagesRequest) -> tuple[Prompt, list[Breakpoint]]:
@@ -160,7 +161,7 @@ async def messages(request: Request, req: MessagesRequest, caller: Principal = D
     use = tool_use(req)
     params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p or 1.0,
                             top_k=req.top_k or 0, max_tokens=req.max_tokens, stop=stops,
-                            guide=use.guide() if use else None)
+                            guide=use.guide() if use else None, speculative=req.speculative is not False)
     gen = await server.generate(request, "anthropic", caller, prompt.token_ids, params,
                                 client_salt(req.cache_salt, req.prompt_cache_key),
                                 breakpoints, where=prompt.where)

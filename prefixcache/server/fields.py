@@ -54,6 +54,7 @@ TABLE: list[Row] = [
         "tool_choice": "chat: `none`, `auto` (a reply written as calls is returned as `tool_calls`), `required` or a "
                        "named function (a valid call is forced with the parameters' schema)",
         "parallel_tool_calls": "chat: a forced call is one call; with `auto`, one call per reply line",
+        "speculative": "extension: `false` opts the request out of speculative decoding (when the server has it on)",
     }),
     *_rows("openai", IGNORED, {
         "user": "informational", "safety_identifier": "informational", "metadata": "informational",
@@ -72,6 +73,7 @@ TABLE: list[Row] = [
         "temperature": "0 to 1", "top_p": "", "top_k": "", "stop_sequences": "", "stream": "",
         "cache_control": "on tools, system and message blocks, or top level: `5m` or `1h`, at most 4",
         "cache_salt": "extension: narrows the cache scope", "prompt_cache_key": "extension: narrows the cache scope",
+        "speculative": "extension: `false` opts the request out of speculative decoding (when the server has it on)",
         "tool_choice": "`none`, `auto` (a reply written as calls is returned as `tool_use` blocks), `any` or a named "
                        "`tool` (a valid call is forced with its input schema)",
     }),

@@ -59,6 +59,10 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(s.report.output_tokens for s in self.samples if s.report)
 
+    @property
+    def accepted_draft_tokens(self) -> int:
+        return sum(s.report.accepted_draft_tokens for s in self.samples if s.report)
+
     async def start(self, request) -> None:
         """Wait until the first token (so the cached prefix is known). An engine refusal becomes an ApiError;
         a client that hangs up meanwhile (e.g. while queued) gets its request aborted."""
@@ -143,7 +147,7 @@ class Generation:
             "finish_reason": out.finish_reason if out else "abort", "prompt_tokens": r.prompt_tokens,
             "cached_tokens": r.cached_tokens, "completion_tokens": self.completion_tokens,
             "cache_write_tokens": self.cache_write, "scope": r.scope_kind, "miss": r.miss_cause,
-            "miss_at": self.miss_at,
+            "miss_at": self.miss_at, "accepted_draft_tokens": self.accepted_draft_tokens,
             "ttft": round(out.ttft, 4) if out and out.ttft else None,
             "latency": round(time.monotonic() - self.start_time, 4),
         }

@@ -36,6 +36,11 @@ class EngineCollector:
                                   "later)", labels=["model_name"])
         pre.add_metric(labels, s["preemptions"])
         yield pre
+        for name, doc in (("drafts", "Speculative drafts verified"), ("draft_tokens", "Draft tokens verified"),
+                          ("accepted_tokens", "Draft tokens accepted (output tokens that skipped a decode step)")):
+            c = CounterMetricFamily(f"prefixcache:spec_decode_num_{name}", doc, labels=["model_name"])
+            c.add_metric(labels, s[f"spec_{name}"])
+            yield c
         for name, doc, value in (("kv_cache_usage_perc", "Fraction of KV blocks in use (live or cached)",
                                   s["occupancy_perc"] / 100),
                                  ("num_requests_waiting", "Requests waiting for admission", s["waiting"]),

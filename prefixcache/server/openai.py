@@ -131,6 +131,7 @@ class Common(Strict):
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     cache_salt: str | None = None
+    speculative: bool | None = None  # extension: false opts this request out of speculative decoding
 
     def sampling(self, max_model_len: int) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
@@ -144,7 +145,8 @@ class Common(Strict):
                 seed=self.seed, guide=self.guide(), n=self.n or 1, logit_bias=self.logit_bias or {},
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0, min_tokens=self.min_tokens or 0,
-                stop_token_ids=self.stop_token_ids or [], **self.logprob_params())
+                stop_token_ids=self.stop_token_ids or [], speculative=self.speculative is not False,
+                **self.logprob_params())
         except ValueError as e:
             raise ApiError(400, str(e))
 
@@ -245,7 +247,8 @@ def usage(gen: Generation) -> dict:
     completion = gen.completion_tokens
     return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion,
             "total_tokens": gen.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+            "completion_tokens_details": {"accepted_prediction_tokens": gen.accepted_draft_tokens}}
 
 
 async def complete(request: Request, req: Common, caller: Principal, chat: bool):

@@ -32,12 +32,13 @@ class Report:
     scope_kind: str
     miss_cause: str
     cross_scope_miss: bool
+    accepted_draft_tokens: int  # output tokens from verified speculative drafts
 
     @classmethod
     def of(cls, seq: Sequence) -> "Report":
         c = seq.cache
         return cls(seq.num_prompt, len(seq.output_ids), c.num_cached or 0, dict(c.write), c.scope_kind, c.miss_cause,
-                   c.cross_scope_miss)
+                   c.cross_scope_miss, seq.accepted_draft_tokens)
 
 
 @dataclass

@@ -1,0 +1,78 @@
+"""Draft tokens for speculative decoding, from what the request and its scope already hold (no draft model).
+
+Two sources, tried in this order:
+- prompt lookup: the latest earlier place where the sequence's last n tokens occur (n from MAX_NGRAM down to
+  MIN_NGRAM) in its own tokens (prompt, cached prefix included, and output so far) proposes what followed them;
+- answer reuse: the same lookup in the recent finished outputs of the request's own CacheScope. A scope's table
+  is never read by another scope: acceptance shows in timing, so a shared table would tell one tenant another's
+  answers. Each table keeps its scope's last ANSWER_TOKENS output tokens; past MAX_SCOPES tables, the least
+  recently used one goes.
+The engine verifies every draft in one forward and keeps only what the model itself would have produced.
+"""
+from collections import OrderedDict
+
+import numpy as np
+
+from prefixcache.cache.scope import CacheScope
+
+METHODS = ("off", "prompt", "answers", "both")
+MAX_DRAFT = 16  # the cap on num_speculative_tokens
+MIN_NGRAM, MAX_NGRAM = 2, 4
+ANSWER_TOKENS = 1 << 15
+MAX_SCOPES = 4096
+SEPARATOR = -1  # between answers in a table: no n-gram spans two answers
+
+
+class Drafter:
+    def __init__(self, method: str, num_tokens: int):
+        if method not in METHODS:
+            raise ValueError(f"speculative={method!r}: choose one of {', '.join(METHODS)}")
+        if not 0 <= num_tokens <= MAX_DRAFT:
+            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_DRAFT}], got {num_tokens}")
+        self.method = method
+        self.num_tokens = num_tokens
+        self.tables: OrderedDict[bytes, tuple[CacheScope, np.ndarray]] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off" and self.num_tokens > 0
+
+    def propose(self, tokens: list[int], scope: CacheScope, k: int) -> list[int]:
+        """Up to k tokens that may follow `tokens`."""
+        ids = np.asarray(tokens)
+        if self.method in ("prompt", "both") and (draft := _lookup(ids, ids, k)):
+            return draft
+        if self.method in ("answers", "both") and (entry := self.tables.get(scope.key)):
+            self.tables.move_to_end(scope.key)
+            return _lookup(entry[1], ids, k)
+        return []
+
+    def record(self, scope: CacheScope, output: list[int]) -> None:
+        """Keep a finished output for its scope's later requests."""
+        if self.method not in ("answers", "both") or not output:
+            return
+        old = self.tables.pop(scope.key, (scope, np.empty(0, dtype=np.int64)))[1]
+        self.tables[scope.key] = (scope, np.concatenate([old, output, [SEPARATOR]])[-ANSWER_TOKENS:])
+        while len(self.tables) > MAX_SCOPES:
+            self.tables.popitem(last=False)
+
+    def purge_tenant(self, tenant: str, labels: tuple[str, ...]) -> None:
+        for key in [k for k, (s, _) in self.tables.items() if s.tenant == tenant and s.labels == labels]:
+            del self.tables[key]
+
+
+def _lookup(source: np.ndarray, tokens: np.ndarray, k: int) -> list[int]:
+    """What followed an occurrence in `source` of the last n tokens of `tokens`, for the largest n that occurs: up
+    to k tokens, never past a separator. Of the occurrences, the latest of those followed by the most tokens."""
+    ends = np.append(np.flatnonzero(source == SEPARATOR), len(source))
+    for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+        if len(tokens) < n or len(source) <= n:
+            continue
+        # windows with a token after them: in the sequence itself, never its own last n tokens
+        windows = np.lib.stride_tricks.sliding_window_view(source[:-1], n)
+        starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1)) + n
+        room = np.minimum(ends[np.searchsorted(ends, starts)] - starts, k)
+        if len(starts) and room.max() > 0:
+            start = starts[room == room.max()][-1]
+            return source[start: start + room.max()].tolist()
+    return []

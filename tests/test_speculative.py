@@ -1,0 +1,178 @@
+"""Speculative decoding (engine/drafter.py, Engine._verify, Sampler.verify): greedy output and every logit are
+those of speculation off; sampled output keeps its distribution; drafts never cross a scope."""
+import pytest
+import torch
+
+from prefixcache import LLM, Config, SamplingParams
+from prefixcache.cache.scope import CacheScope
+from prefixcache.engine.drafter import MAX_DRAFT, Drafter
+from prefixcache.engine.sampler import Sampler
+from prefixcache.engine.sequence import Sequence
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
+    """Outputs, and per request the logits row each output token was chosen from (sampled or verified)."""
+    rows: dict[int, list[torch.Tensor]] = {}
+    sampler = llm.engine.sampler
+    sample, verify = sampler.sample, sampler.verify
+
+    def recording_sample(logits, seqs):
+        for row, seq in zip(logits, seqs):
+            rows.setdefault(seq.id, []).append(row.clone())
+        return sample(logits, seqs)
+
+    def recording_verify(row, seq, draft):
+        rows.setdefault(seq.id, []).append(row.clone())
+        return verify(row, seq, draft)
+
+    sampler.sample, sampler.verify = recording_sample, recording_verify
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        sampler.sample, sampler.verify = sample, verify
+    return outs, [torch.stack(rows[o.request_id]) for o in outs]
+
+
+def _repetitive(tokenizer, i: int) -> list[int]:
+    """A prompt whose continuation copies from it: a list, then the request to repeat it."""
+    items = ", ".join(f"item {j * (i + 3)} of set {i}" for j in range(30))
+    return tokenizer(f"Here is a list: {items}.\nThe same list again: {items[:40]}").input_ids
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "default"])
+def test_greedy_output_and_logits_equal_speculation_off(fixture, request):
+    """1 and 8 concurrent requests, with the prefix cache on: every output token and the logits it was chosen
+    from are bit-identical to speculation off, and drafts were accepted (so the verify path ran)."""
+    model = request.getfixturevalue(fixture) if fixture != "default" else ""
+    off = LLM(model=model, speculative="off")
+    on = LLM(model=model, speculative="both", num_speculative_tokens=6)
+    prompts = [_repetitive(off.engine.tokenizer, i) for i in range(8)]
+    for batch in (prompts[:1], prompts):
+        a_out, a = _run(off, batch)
+        b_out, b = _run(on, batch)
+        assert [o.token_ids for o in a_out] == [o.token_ids for o in b_out]
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    if fixture == "default":  # the tiny model's random weights do not copy, the real one does
+        assert on.engine.spec["accepted_tokens"] > 0 and sum(o.accepted_draft_tokens for o in b_out) > 0
+    assert on.engine.spec["drafts"] > 0
+
+
+def test_rejection_sampling_keeps_the_distribution():
+    """Sampler.verify with a one-point draft, over many seeds: chi-square against p itself (df 4, p = 0.001)."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0] + [-1e9] * 11)
+    params = SamplingParams(temperature=1.0, top_k=5)
+    p = Sampler._probs(logits, params)[:5]
+    for draft in (0, 3):
+        counts = torch.zeros(5)
+        sampler = Sampler([2])
+        for seed in range(6000):
+            seq = Sequence([1], SamplingParams(temperature=1.0, top_k=5, seed=seed), CacheScope())
+            counts[sampler.verify(logits.clone(), seq, draft)] += 1
+            sampler.forget(seq.id)
+        expected = p * counts.sum()
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 18.47, (draft, counts.tolist(), expected.tolist())
+
+
+def test_sampled_output_with_speculation_has_the_same_first_tokens_distribution(tiny_model):
+    """End to end on the tiny model: the second output token (the first one verified against a draft) over 300
+    seeds, with speculation off and on, from a distribution concentrated on 4 tokens (top_k 4)."""
+    prompt = list(range(100, 120)) * 3
+    params = [SamplingParams(temperature=1.0, top_k=4, seed=s, max_tokens=3, ignore_eos=True) for s in range(300)]
+    seconds = {}
+    for mode in ("off", "prompt"):
+        llm = LLM(model=tiny_model, speculative=mode, enable_prefix_cache=False)
+        seconds[mode] = [llm.generate([prompt], p)[0].token_ids[1] for p in params]
+    values = sorted(set(seconds["off"]) | set(seconds["prompt"]))
+    a = torch.tensor([seconds["off"].count(v) for v in values], dtype=torch.float)
+    b = torch.tensor([seconds["prompt"].count(v) for v in values], dtype=torch.float)
+    chi2 = float(((a - b) ** 2 / (a + b).clamp(min=1)).sum())  # two-sample chi-square
+    assert chi2 < 40, (values, a.tolist(), b.tolist())
+
+
+def test_a_request_whose_drafts_fail_stops_drafting(tiny_model):
+    """The tiny model's random weights never continue the pattern its prompt repeats: after DRAFT_MISSES
+    rejected drafts the request drafts no more, and the output is still speculation off's."""
+    prompt = list(range(100, 110)) * 6
+    on = LLM(model=tiny_model, speculative="prompt", enable_prefix_cache=False)
+    off = LLM(model=tiny_model, enable_prefix_cache=False)
+    seq = on.engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    while on.engine.has_unfinished():
+        on.engine.step()
+    assert seq.output_ids == off.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30,
+                                                                   ignore_eos=True))[0].token_ids
+    if seq.accepted_draft_tokens == 0:
+        assert on.engine.spec["drafts"] == 3 and seq.draft_len == 0
+
+
+def test_answer_tables_are_per_scope_and_purged_with_the_tenant():
+    drafter = Drafter("answers", 8)
+    a, b = CacheScope(tenant="a"), CacheScope(tenant="b")
+    drafter.record(a, [5, 6, 7, 8, 9, 10])
+    assert drafter.propose([1, 2, 6, 7], a, 8) == [8, 9, 10]
+    assert drafter.propose([1, 2, 6, 7], b, 8) == []  # b never sees a's answers
+    assert drafter.propose([1, 2, 6, 7], CacheScope(tenant="a", salt="x"), 8) == []  # nor another salt of a
+    drafter.purge_tenant("a", ())
+    assert drafter.propose([1, 2, 6, 7], a, 8) == []
+
+
+def test_answers_speed_up_a_repeated_answer_in_the_same_scope(tiny_model):
+    """The second identical request of a scope drafts from the first one's answer; another tenant's does not."""
+    llm = LLM(model=tiny_model, speculative="answers", enable_prefix_cache=False)
+    prompt = list(range(300, 340))
+    first = llm.generate([prompt], GREEDY, scope=CacheScope(tenant="a"))[0]
+    again = llm.generate([prompt], GREEDY, scope=CacheScope(tenant="a"))[0]
+    other = llm.generate([prompt], GREEDY, scope=CacheScope(tenant="b"))[0]
+    assert first.token_ids == again.token_ids == other.token_ids
+    assert again.accepted_draft_tokens > 20 and other.accepted_draft_tokens == first.accepted_draft_tokens
+
+
+@pytest.mark.parametrize("kwargs, match", [({"speculative": "ngram"}, "speculative"),
+                                           ({"num_speculative_tokens": MAX_DRAFT + 1}, "num_speculative_tokens"),
+                                           ({"num_speculative_tokens": -1}, "num_speculative_tokens")])
+def test_bad_speculation_options_name_the_choices(tiny_model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(model=tiny_model, **kwargs)
+
+
+def test_unsupported_features_run_without_speculation(tiny_model):
+    llm = LLM(model=tiny_model, speculative="both", enable_prefix_cache=False)
+    prompt = list(range(100, 110)) * 6
+    for params in (SamplingParams(temperature=0.0, max_tokens=8, logprobs=2),
+                   SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.2),
+                   SamplingParams(temperature=0.0, max_tokens=8, speculative=False)):
+        out = llm.generate([prompt], params)[0]
+        assert len(out.token_ids) == 8 and out.accepted_draft_tokens == 0
+    assert llm.engine.spec["drafts"] == 0
+    assert Config(model=tiny_model).speculative == "off"
+
+
+def test_the_server_reports_accepted_drafts_and_honours_the_opt_out():
+    """Over HTTP with the official clients: usage.completion_tokens_details.accepted_prediction_tokens, the
+    /metrics counters, `speculative: false`, and a 400 for a malformed value."""
+    import anthropic
+    import httpx
+    import openai
+    from server_fixtures import metrics, spec_server
+
+    srv = spec_server()
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x")
+    text = srv.server.tokenizer.decode(_repetitive(srv.server.tokenizer, 1))
+    before = metrics(srv.url)
+    ask = dict(model="default", messages=[{"role": "user", "content": text}], max_tokens=40, temperature=0)
+    on = client.chat.completions.create(**ask)
+    off = client.chat.completions.create(**ask, extra_body={"speculative": False})
+    assert on.choices[0].message.content == off.choices[0].message.content
+    accepted = on.usage.completion_tokens_details.accepted_prediction_tokens
+    assert accepted > 0 and off.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    after = metrics(srv.url)
+    key = ("prefixcache:spec_decode_num_accepted_tokens_total", ())
+    assert after[key] - before.get(key, 0) == accepted
+    msg = anthropic.Anthropic(base_url=srv.url, api_key="x").messages.create(
+        model="default", max_tokens=40, messages=[{"role": "user", "content": text}],
+        extra_body={"speculative": False, "temperature": 0})
+    assert msg.content[0].text == on.choices[0].message.content
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json={**ask, "speculative": "sometimes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculative"
