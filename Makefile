@@ -26,6 +26,7 @@ test: setup
 bench: setup
 	$(PY) -m prefixcache.bench.engine
 	$(PY) -m prefixcache.bench.features
+	$(PY) -m prefixcache.bench.spec
 	$(PY) -m prefixcache.cli bench --name default
 
 # vLLM CPU and llama-cpp-python in their own venvs under peers/ (not part of setup or CI); see peers/serve.sh

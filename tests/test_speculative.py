@@ -110,8 +110,9 @@ def test_a_request_whose_drafts_fail_stops_drafting(tiny_model):
 def test_answer_tables_are_per_scope_and_purged_with_the_tenant():
     drafter = Drafter("answers", 8)
     a, b = CacheScope(tenant="a"), CacheScope(tenant="b")
-    drafter.record(a, [5, 6, 7, 8, 9, 10])
+    drafter.record(a, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 6)  # prompt 1-4, output 5-10
     assert drafter.propose([1, 2, 6, 7], a, 8) == [8, 9, 10]
+    assert drafter.propose([0, 3, 4], a, 8) == [5, 6, 7, 8, 9, 10]  # from the first output token on
     assert drafter.propose([1, 2, 6, 7], b, 8) == []  # b never sees a's answers
     assert drafter.propose([1, 2, 6, 7], CacheScope(tenant="a", salt="x"), 8) == []  # nor another salt of a
     drafter.purge_tenant("a", ())

@@ -47,12 +47,14 @@ class Drafter:
             return _lookup(entry[1], ids, k)
         return []
 
-    def record(self, scope: CacheScope, output: list[int]) -> None:
-        """Keep a finished output for its scope's later requests."""
-        if self.method not in ("answers", "both") or not output:
+    def record(self, scope: CacheScope, tokens: list[int], num_output: int) -> None:
+        """Keep a finished request's output, after its last prompt tokens (so a later request can draft from its
+        first output token on), for its scope's later requests."""
+        if self.method not in ("answers", "both") or not num_output:
             return
         old = self.tables.pop(scope.key, (scope, np.empty(0, dtype=np.int64)))[1]
-        self.tables[scope.key] = (scope, np.concatenate([old, output, [SEPARATOR]])[-ANSWER_TOKENS:])
+        answer = tokens[-(num_output + MAX_NGRAM):]
+        self.tables[scope.key] = (scope, np.concatenate([old, answer, [SEPARATOR]])[-ANSWER_TOKENS:])
         while len(self.tables) > MAX_SCOPES:
             self.tables.popitem(last=False)
 

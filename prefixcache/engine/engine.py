@@ -292,4 +292,4 @@ class Engine:
         seq.finish_time = now
         self.scheduler.finish(seq)
         self.sampler.forget(seq.id)
-        self.drafter.record(seq.scope, seq.output_ids)
+        self.drafter.record(seq.scope, seq.tokens, len(seq.output_ids))
