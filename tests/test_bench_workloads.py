@@ -40,6 +40,16 @@ def test_shapes():
     rag = build("rag", 0, size)
     assert len({s.turns[0].messages[1]["content"][:200] for s in rag.sessions}) > 1
 
+    code = build("code-edit", 0, size)  # speculative decoding's: the answer copies the prompt
+    asks = [s.turns[0].messages[0]["content"] for s in code.sessions]
+    assert all("```python\n" in a and a.count("\n") > 40 for a in asks) and len(set(asks)) > 1
+    quote = build("rag-quote", 0, size)
+    assert len({s.turns[0].messages[0]["content"] for s in quote.sessions}) == 2
+    agent = build("agent-steps", 0, size)
+    assert agent.tenants == ["agent"] and {s.tenant for s in agent.sessions} == {"agent"}
+    assert len({json.dumps(s.turns[0].messages[:-1]) for s in agent.sessions}) == 1  # the same examples
+    assert all(s.turns[0].max_tokens == 10 * size.max_tokens for s in code.sessions + quote.sessions)
+
 
 def test_jsonl_openai_and_anthropic(tmp_path):
     path = tmp_path / "w.jsonl"

@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict
 
 from prefixcache.bench.report import Prices, prices_note, table
-from prefixcache.bench.workloads import GENERATORS, Size, build, multi_tenant
+from prefixcache.bench.workloads import GENERATORS, SPECULATIVE, Size, build, multi_tenant
 from prefixcache.options import default, size
 
 QUICK_WORKLOADS = ["shared-system-prompt", "multi-tenant"]
@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
                         "(optional `tenant`, `arrival`); repeatable; default: all built-in ones")
     p.add_argument("--url", default=None, help="drive this running server instead of starting ours (no on/off)")
     p.add_argument("--target", action="append", default=[], metavar="NAME=URL",
-                   help="compare: a target; URL `local`, `local-nocache` or `hf` starts that server here")
+                   help="compare: a target; URL `local`, `local-nocache`, `local-spec` (speculation from prompts and "
+                        "answers) or `hf` starts that server here")
     p.add_argument("--users", type=int, default=8, help="closed loop: concurrent users")
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
     p.add_argument("--seed", type=int, default=0)
@@ -69,7 +70,7 @@ def main(args) -> None:
     folder = os.path.join(args.out, name)
     os.makedirs(folder, exist_ok=True)
     prices = Prices(args.price_input, args.price_cached, args.price_output)
-    names = args.workload or (QUICK_WORKLOADS if args.quick else list(GENERATORS))
+    names = args.workload or (QUICK_WORKLOADS if args.quick else [g for g in GENERATORS if g not in SPECULATIVE])
     workloads = [build(n, args.seed, size) for n in names]
     # every server started here knows every tenant's key, so one server serves all workloads and sweeps
     tenants = sorted({t for w in workloads for t in w.tenants} | set(multi_tenant(args.seed, size).tenants))

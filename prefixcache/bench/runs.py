@@ -61,12 +61,13 @@ def on_off(workload: Workload, bench: Bench) -> dict[str, dict]:
 
 
 def compare(workload: Workload, targets: list[tuple[str, str]], bench: Bench) -> dict[str, dict]:
-    """One workload against each target in turn. A URL of `local`, `local-nocache` or `hf` starts that server."""
+    """One workload against each target in turn. A URL of `local`, `local-nocache`, `local-spec` or `hf` starts
+    that server."""
     columns = {}
     for name, url in targets:
-        if url in ("local", "local-nocache", "hf"):
-            kind = "hf" if url == "hf" else "prefixcache"
-            srv = local(bench, prefix_cache=url == "local", kind=kind)
+        if url in ("local", "local-nocache", "local-spec", "hf"):
+            srv = local(bench, prefix_cache=url != "local-nocache", kind="hf" if url == "hf" else "prefixcache",
+                        speculative="both" if url == "local-spec" else "off")
             columns[name], _ = measure(workload, Target(name, srv.url, srv.keys), bench, name, srv)
         else:
             columns[name], _ = measure(workload, Target(name, url.rstrip("/")), bench, name)

@@ -32,6 +32,7 @@ class ServerOptions:
     kv_cache_bytes: int = default("kv_cache_bytes")
     min_cache_tokens: int = default("min_cache_tokens")
     max_num_seqs: int = default("max_num_seqs")
+    speculative: str = default("speculative")
     kind: str = "prefixcache"  # or "hf": the HF transformers generate() peer
 
 
@@ -54,7 +55,7 @@ class LocalServer:
             return [sys.executable, "-m", "prefixcache.bench.hf_server", "--port", str(self.port)]
         cmd = [sys.executable, "-m", "prefixcache.cli", "serve", "--port", str(self.port),
                "--kv-cache-bytes", str(o.kv_cache_bytes), "--min-cache-tokens", str(o.min_cache_tokens),
-               "--max-num-seqs", str(o.max_num_seqs)]
+               "--max-num-seqs", str(o.max_num_seqs), "--speculative", o.speculative]
         if not o.prefix_cache:
             cmd.append("--no-enable-prefix-cache")
         fd, self._keyfile = tempfile.mkstemp(suffix=".json", prefix="bench-keys-")

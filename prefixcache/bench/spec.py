@@ -1,57 +1,41 @@
-"""Speculative-decoding benchmark: decode speed with speculation off / prompt / answers / both on workloads where
-answers copy (code-edit, rag-quote), repeat (agent-steps) or do neither (open-ended), one request at a time,
-side by side in one process, the modes taking turns. Checks that every greedy output equals speculation off's. Writes
-bench/results/spec.{json,md,png}. Run: `make bench` or `python -m prefixcache.bench.spec`."""
+"""Speculative-decoding benchmark: decode speed with speculation off / prompt / answers / both on the workloads
+whose answers copy (code-edit, rag-quote) or repeat (agent-steps), and on open-ended text, where nothing does; one
+request at a time, side by side in one process, the modes taking turns. Checks that every greedy output equals
+speculation off's. Writes bench/results/spec.{json,md,png}. Run: `make bench` or `python -m prefixcache.bench.spec`.
+Against other servers and under load: `prefixcache bench compare --workload agent-steps --target spec=local-spec`.
+"""
 import argparse
-import inspect
 import json
 import os
 import random
 import time
 
 from prefixcache import LLM, SamplingParams
-from prefixcache.bench.workloads import system_prompt, text
+from prefixcache.bench.workloads import SPECULATIVE, Size, Turn, build, text
 from prefixcache.cache.scope import CacheScope
-from prefixcache.engine import scheduler
 from prefixcache.models.exactness import cpu_info
 
 MODES = ("off", "prompt", "answers", "both")
 REPEATS = 2
-CITIES = ("Paris", "Lagos", "Lima", "Oslo", "Pune", "Quito", "Riga", "Seoul")
 
 
-def workloads() -> dict[str, list[list[dict]]]:
-    """Each workload: the chats of one tenant, run in order."""
+def workloads(size: Size) -> dict[str, list[Turn]]:
+    """Each workload's requests (one tenant's), run in order; and open-ended text."""
+    loads = {name: [t for s in build(name, 0, size).sessions for t in s.turns] for name in SPECULATIVE}
     rng = random.Random(11)
-    code = inspect.getsource(scheduler)
-    doc = system_prompt(rng, 700)
-    return {
-        "code-edit": [[{"role": "user", "content": "Rewrite this Python file with the class Scheduler renamed to "
-                        f"BatchScheduler. Output the whole file.\n\n```python\n{code}```"}]],
-        "rag-quote": [[{"role": "system", "content": doc},
-                       {"role": "user", "content": "Quote the first three sentences of the text above word for word."}]],
-        "agent-steps": [[{"role": "system", "content": "You call tools. Reply with one JSON object only."},
-                         *_shot("Rome"), *_shot("Cairo"),
-                         {"role": "user", "content": f"What is the weather in {city}?"}] for city in CITIES],
-        "open-ended": [[{"role": "user", "content": f"Write a short story about {text(rng, 12)}."}]],
-    }
+    story = {"role": "user", "content": f"Write a short story about {text(rng, 12)}."}
+    return loads | {"open-ended": [Turn([story], 10 * size.max_tokens)]}
 
 
-def _shot(city: str) -> list[dict]:
-    call = {"tool": "get_weather", "arguments": {"city": city, "unit": "celsius", "days": 1}}
-    return [{"role": "user", "content": f"What is the weather in {city}?"},
-            {"role": "assistant", "content": json.dumps(call)}]
-
-
-def run(llm: LLM, chats: list[list[dict]], max_tokens: int) -> dict:
-    """Decode figures over the chats, run one at a time in one scope: tokens, seconds and engine steps after
+def run(llm: LLM, turns: list[Turn]) -> dict:
+    """Decode figures over the requests, run one at a time in one scope: tokens, seconds and engine steps after
     each request's first token, and the outputs."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     scope = CacheScope(tenant="bench")
     tokens = steps = 0
     seconds, outputs = 0.0, []
-    for chat in chats:
-        seq = llm.engine.add_request(llm.encode_chat(chat), params, scope)
+    for turn in turns:
+        params = SamplingParams(temperature=0.0, max_tokens=turn.max_tokens)
+        seq = llm.engine.add_request(llm.encode_chat(turn.messages), params, scope)
         while not seq.output_ids:
             llm.engine.step()
         t, n = time.perf_counter(), len(seq.output_ids)
@@ -68,15 +52,16 @@ def run(llm: LLM, chats: list[list[dict]], max_tokens: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--requests", type=int, default=4, help="requests per workload")
     args = ap.parse_args()
-    loads, results = workloads(), {}
+    size = Size(requests=args.requests)
+    loads, results = workloads(size), {}
     engines = {mode: LLM(enable_prefix_cache=False, speculative=mode) for mode in MODES}
     for name, chats in loads.items():
         for rep in range(REPEATS):  # the modes take turns, in a rotated order: the best time of each counts
             for mode in MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]:
                 engines[mode].engine.drafter.tables.clear()  # each repeat starts from the same answers
-                r = run(engines[mode], chats, args.max_tokens)
+                r = run(engines[mode], chats)
                 best = results.setdefault((name, mode), r)
                 if r["seconds"] < best["seconds"]:
                     results[(name, mode)] = r
@@ -94,8 +79,8 @@ def main() -> None:
                         f"{r['tokens_per_step']:.2f} | {speedup / r['tokens_per_step']:.2f} |")
     md = "\n".join([
         "# Speculative decoding", "", f"{cpu.model} ({' '.join(cpu.simd)}), {cpu.threads} threads; "
-        f"SmolLM2-135M-Instruct fp32, greedy, one request at a time, up to {args.max_tokens} tokens each, best of "
-        f"{REPEATS} turns. Speedup: "
+        f"SmolLM2-135M-Instruct fp32, greedy, {args.requests} requests a workload (one for open-ended), one at a "
+        f"time, up to {10 * size.max_tokens} tokens each, best of {REPEATS} turns. Speedup: "
         "decode tok/s against speculation off. Tokens per step: output tokens per engine step (accepted drafts + 1 "
         "when drafting). Efficiency: speedup / tokens per step. Every output equals speculation off's (checked).",
         "", "| workload | speculation | tokens | tok/s | speedup | tokens per step | efficiency |",

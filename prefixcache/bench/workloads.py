@@ -7,7 +7,9 @@ SmolLM2 tokenizer encodes at about 1.1 tokens per word (capitals and full stops 
 at n tokens. The driver reports the token counts the server actually saw.
 """
 import json
+import os
 import random
+import re
 from dataclasses import dataclass, field
 
 from prefixcache.prompt import chat_messages, fields
@@ -151,8 +153,56 @@ def multi_tenant(seed: int, size: Size) -> Workload:
                     "interleaved in random order", tenants=names)
 
 
+# Workloads whose answers copy or repeat (speculative decoding's): outputs of 10x max_tokens, since copying takes
+# a while to pay off
+CODE_FILES = ("engine/scheduler.py", "cache/pool.py", "engine/grammar.py", "engine/llm.py")  # ours: real code
+CITIES = ("Paris", "Lagos", "Lima", "Oslo", "Pune", "Quito", "Riga", "Seoul", "Hanoi", "Dakar", "Perth", "Turin")
+
+
+def code_edit(seed: int, size: Size) -> Workload:
+    rng = random.Random(seed)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sessions = []
+    for i in range(size.requests):
+        with open(os.path.join(root, CODE_FILES[i % len(CODE_FILES)])) as f:
+            source = f.read()
+        name = rng.choice(re.findall(r"^def (\w+)|^    def (\w+)", source, re.M))
+        name = name[0] or name[1]
+        ask = (f"Rewrite this Python file with the function {name} renamed to {name}_v2. Output the whole file."
+               f"\n\n```python\n{source}```")
+        sessions.append(Session([Turn([{"role": "user", "content": ask}], 10 * size.max_tokens)]))
+    return Workload("code-edit", sessions, "rewrite one of four 40-100-line files with a function renamed")
+
+
+def rag_quote(seed: int, size: Size) -> Workload:
+    rng = random.Random(seed)
+    docs = [system_prompt(rng, size.prefix_tokens // 2, f"Site {i}") for i in range(2)]
+    asks = ("Quote the first three sentences of the text above word for word.",
+            "Quote the first example of the text above word for word.")
+    sessions = [Session([Turn([{"role": "system", "content": docs[i % 2]},
+                               {"role": "user", "content": asks[i // 2 % 2]}], 10 * size.max_tokens)])
+                for i in range(size.requests)]
+    return Workload("rag-quote", sessions, "questions whose answers quote one of two documents")
+
+
+def agent_steps(seed: int, size: Size) -> Workload:
+    def shot(city: str) -> list[dict]:
+        call = {"tool": "get_weather", "arguments": {"city": city, "unit": "celsius", "days": 1}}
+        return [{"role": "user", "content": f"What is the weather in {city}?"},
+                {"role": "assistant", "content": json.dumps(call)}]
+    rng = random.Random(seed)
+    system = {"role": "system", "content": "You call tools. Reply with one JSON object only."}
+    sessions = [Session([Turn([system, *shot("Rome"), *shot("Cairo"),
+                               {"role": "user", "content": f"What is the weather in {rng.choice(CITIES)}?"}],
+                              10 * size.max_tokens)], tenant="agent") for _ in range(size.requests)]
+    return Workload("agent-steps", sessions, "one tenant's tool calls of the same JSON shape, after two examples",
+                    tenants=["agent"])
+
+
 GENERATORS = {"shared-system-prompt": shared_system_prompt, "multi-turn": multi_turn, "rag": rag,
-              "volatile-prefix": volatile_prefix, "multi-tenant": multi_tenant}
+              "volatile-prefix": volatile_prefix, "multi-tenant": multi_tenant, "code-edit": code_edit,
+              "rag-quote": rag_quote, "agent-steps": agent_steps}
+SPECULATIVE = ("code-edit", "rag-quote", "agent-steps")  # not in the default set: run them by name
 
 
 def build(name: str, seed: int, size: Size) -> Workload:
