@@ -32,7 +32,7 @@ def run(llm: LLM, turns: list[Turn]) -> dict:
     each request's first token, and the outputs."""
     scope = CacheScope(tenant="bench")
     tokens = steps = 0
-    seconds, outputs = 0.0, []
+    seconds, outputs, spec = 0.0, [], dict(llm.engine.spec)
     for turn in turns:
         params = SamplingParams(temperature=0.0, max_tokens=turn.max_tokens)
         seq = llm.engine.add_request(llm.encode_chat(turn.messages), params, scope)
@@ -45,8 +45,10 @@ def run(llm: LLM, turns: list[Turn]) -> dict:
         seconds += time.perf_counter() - t
         tokens += len(seq.output_ids) - n
         outputs.append(seq.output_ids)
+    drafted, accepted = (llm.engine.spec[k] - spec[k] for k in ("draft_tokens", "accepted_tokens"))
     return {"tokens": tokens, "seconds": seconds, "steps": steps, "tok_s": tokens / seconds,
-            "tokens_per_step": tokens / max(steps, 1), "outputs": outputs}
+            "tokens_per_step": tokens / max(steps, 1), "acceptance": accepted / drafted if drafted else None,
+            "outputs": outputs}
 
 
 def main() -> None:
@@ -75,16 +77,18 @@ def main() -> None:
             speedup = r["tok_s"] / off["tok_s"]
             table[f"{name}/{mode}"] = {k: v for k, v in r.items() if k != "outputs"} | {
                 "speedup": speedup, "efficiency": speedup / r["tokens_per_step"]}
-            rows.append(f"| {name} | {mode} | {r['tokens']} | {r['tok_s']:.1f} | {speedup:.2f}x | "
+            acceptance = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+            rows.append(f"| {name} | {mode} | {r['tokens']} | {r['tok_s']:.1f} | {speedup:.2f}x | {acceptance} | "
                         f"{r['tokens_per_step']:.2f} | {speedup / r['tokens_per_step']:.2f} |")
     md = "\n".join([
         "# Speculative decoding", "", f"{cpu.model} ({' '.join(cpu.simd)}), {cpu.threads} threads; "
         f"SmolLM2-135M-Instruct fp32, greedy, {args.requests} requests a workload (one for open-ended), one at a "
         f"time, up to {10 * size.max_tokens} tokens each, best of {REPEATS} turns. Speedup: "
-        "decode tok/s against speculation off. Tokens per step: output tokens per engine step (accepted drafts + 1 "
-        "when drafting). Efficiency: speedup / tokens per step. Every output equals speculation off's (checked).",
-        "", "| workload | speculation | tokens | tok/s | speedup | tokens per step | efficiency |",
-        "|---|---|---|---|---|---|---|", *rows, ""])
+        "decode tok/s against speculation off. Acceptance: draft tokens accepted / drafted. Tokens per step: output "
+        "tokens per engine step (accepted drafts + 1 when drafting). Efficiency: speedup / tokens per step. Every "
+        "output equals speculation off's (checked).",
+        "", "| workload | speculation | tokens | tok/s | speedup | acceptance | tokens per step | efficiency |",
+        "|---|---|---|---|---|---|---|---|", *rows, ""])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "spec.json"), "w") as f:
         json.dump({"cpu": str(cpu), **table}, f, indent=1)
