@@ -133,9 +133,11 @@ def test_over_capacity_gets_429_or_529_and_the_queue_drains():
             t = threading.Thread(target=lambda: waiting.update(r=c.post("/v1/chat/completions", json=CHAT)))
             t.start()
             until(lambda: worker.in_flight == 2)
-            err = openai_error(c.post("/v1/chat/completions", json=CHAT), 429)
-            assert err["type"] == "rate_limit_error"
-            anthropic_error(c.post("/v1/messages", json=MESSAGES), 529, "overloaded_error")
+            over = c.post("/v1/chat/completions", json=CHAT)
+            assert openai_error(over, 429)["type"] == "rate_limit_error" and over.headers["retry-after"] == "1"
+            over = c.post("/v1/messages", json=MESSAGES)
+            anthropic_error(over, 529, "overloaded_error")
+            assert over.headers["retry-after"] == "1"
             pause.release()
         t.join()  # closing the stream aborted the first request, so the waiting one ran
     assert waiting["r"].status_code == 200
@@ -183,3 +185,60 @@ def test_a_client_that_hangs_up_while_queued_is_dropped():
     after = wait_for(srv.url, "prefixcache:num_requests_running", 0)
     key = ("prefixcache:request_success_total", (("finish_reason", "abort"),))
     assert after[key] - before.get(key, 0) == 2
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_parsed(srv):
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * (5 << 20)}]}
+    openai_error(httpx.post(f"{srv.url}/v1/chat/completions", json=big, timeout=60), 413)
+    anthropic_error(httpx.post(f"{srv.url}/v1/messages", json={**MESSAGES, "messages": big["messages"]}, timeout=60),
+                    413, "request_too_large")
+
+    def chunked():  # no Content-Length: the limit holds while reading
+        yield b'{"model": "default", "messages": [{"role": "user", "content": "'
+        for _ in range(6):
+            yield b"x" * (1 << 20)
+        yield b'"}]}'
+    openai_error(httpx.post(f"{srv.url}/v1/chat/completions", content=chunked(), timeout=60,
+                            headers={"content-type": "application/json"}), 413)
+    assert httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT, headers=ACME, timeout=60).status_code == 200
+
+
+def test_a_failing_engine_step_fails_only_its_requests_and_frees_their_blocks():
+    """An exception injected into the steps that run one request: that request gets a 500 in each API's format,
+    its blocks return to the pool, and the request queued behind it (not in the failing step) is served."""
+    srv = nocache_server()  # one running request: the other waits outside the step
+    engine, worker = srv.server.engine, srv.server.worker
+    poison = "poison " * 20
+    run = engine.runner.run
+
+    def failing(plan, *args):
+        if any(engine.tokenizer.decode(seq.tokens).count("poison") >= 20 for seq, _ in plan):
+            raise RuntimeError("injected fault")
+        return run(plan, *args)
+
+    until(lambda: worker.in_flight == 0)
+    free = engine.pool.num_free
+    engine.runner.run = failing
+    bad = {**CHAT, "messages": [{"role": "user", "content": poison}]}
+    results = {}
+    try:
+        pause = Pause(srv).held()
+        first = threading.Thread(target=lambda: results.update(bad=httpx.post(
+            f"{srv.url}/v1/chat/completions", json=bad, timeout=60)))
+        first.start()
+        until(lambda: worker.in_flight == 1)
+        second = threading.Thread(target=lambda: results.update(good=httpx.post(
+            f"{srv.url}/v1/chat/completions", json=CHAT, timeout=60)))
+        second.start()
+        until(lambda: worker.in_flight == 2)
+        pause.release()
+        first.join()
+        second.join()
+        assert openai_error(results["bad"], 500)["type"] == "server_error"
+        assert results["good"].status_code == 200
+        anthropic_error(httpx.post(f"{srv.url}/v1/messages", json={**MESSAGES, "messages": bad["messages"]},
+                                   timeout=60), 500, "api_error")
+        until(lambda: worker.in_flight == 0)
+        assert engine.pool.num_free == free
+    finally:
+        engine.runner.run = run

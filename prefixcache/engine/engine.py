@@ -27,6 +27,14 @@ TTFT_WINDOW = 1024  # recent requests whose time to first token stats() summariz
 DRAFT_MISSES = 3  # a request stops drafting after this many drafts in a row with nothing accepted
 
 
+class StepFailed(Exception):
+    """An engine step raised; its sequences, listed here, were aborted."""
+
+    def __init__(self, seqs: list[Sequence]):
+        super().__init__(f"engine step failed for {len(seqs)} sequences")
+        self.seqs = seqs
+
+
 class Engine:
     def __init__(self, config: Config):
         self.config = config
@@ -88,10 +96,20 @@ class Engine:
         return seq
 
     def step(self) -> list[Sequence]:
-        """Run one batch; returns the sequences that received a token or finished."""
+        """Run one batch; returns the sequences that received a token or finished. If the batch fails, its
+        sequences are aborted (their blocks freed) and StepFailed names them; the others are untouched."""
         plan = self.scheduler.schedule()
         if not plan:
             return []
+        try:
+            return self._run(plan)
+        except Exception as e:
+            seqs = [seq for seq, _ in plan]
+            for seq in seqs:
+                self.abort(seq)
+            raise StepFailed(seqs) from e
+
+    def _run(self, plan: list[tuple[Sequence, int]]) -> list[Sequence]:
         drafts = self._drafts(plan)  # appended to their sequences' tokens for this forward only
         plan = [(seq, n + len(drafts.get(seq.id, ()))) for seq, n in plan]
         logits, prompt_hidden = self.runner.run(plan, set(drafts))

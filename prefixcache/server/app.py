@@ -47,6 +47,7 @@ class ServeConfig:
     api_keys: str | None = None  # JSON key file; None: one local tenant, no auth
     shared_prefixes: str | None = None  # JSON list of system-prompt strings shared by all tenants
     max_queue: int = 64  # waiting requests beyond the running batch; past it, 429 / 529
+    max_body_bytes: int = 4 << 20  # larger request bodies get 413 before they are read further
 
 
 SERVE_OPTIONS = tuple(f.name for f in fields(ServeConfig) if f.name != "engine")
@@ -96,12 +97,47 @@ class Server:
             raise ApiError(400, f"prompt has {len(prompt)} tokens; the context window is {self.engine.max_model_len}",
                            param="messages", code="context_length_exceeded")
         if self.worker.in_flight >= self.cfg.engine.max_num_seqs + self.cfg.max_queue:
-            raise ApiError(529 if api == "anthropic" else 429, "server is over capacity; retry later")
+            raise ApiError(529 if api == "anthropic" else 429, "server is over capacity; retry later", retry_after=1)
         scope = CacheScope(tenant=principal.tenant, labels=principal.labels, salt=salt)
         gen = Generation(self, self.worker.submit(prompt, params, scope, list(breakpoints)), api, principal.tenant,
                          params, where)
         await gen.start(request)
         return gen
+
+
+class BodyLimit:
+    """Reads a request body up to `limit` bytes before the app sees it; past that, a 413 in the API's format.
+    A Content-Length over the limit is refused before any of the body is read."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        chunks, size, more = [], 0, int(declared) <= self.limit if declared.isdigit() else True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            chunks.append(message.get("body", b""))
+            size, more = size + len(chunks[-1]), message.get("more_body", False)
+            more = more and size <= self.limit
+        if size > self.limit or (declared.isdigit() and int(declared) > self.limit):
+            e = ApiError(413, f"request body over {self.limit} bytes")
+            response = e.anthropic() if scope["path"].startswith("/v1/messages") else e.openai()
+            return await response(scope, receive, send)
+        body = b"".join(chunks)
+
+        async def replay():
+            nonlocal body
+            if body is None:
+                return await receive()  # after the body: the client's disconnect, when it comes
+            message, body = {"type": "http.request", "body": body, "more_body": False}, None
+            return message
+
+        await self.app(scope, replay, send)
 
 
 def create_app(cfg: ServeConfig) -> FastAPI:
@@ -120,6 +156,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="prefixcache", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     app.include_router(tokens.router)

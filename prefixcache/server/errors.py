@@ -7,7 +7,8 @@ from pydantic import BaseModel, ConfigDict
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                    500: "api_error", 529: "overloaded_error"}
-OPENAI_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+OPENAI_TYPES = {401: "authentication_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                500: "server_error", 503: "server_error"}
 
 UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[|^[A-Z]")  # pydantic's loc entries for union members
 
@@ -20,18 +21,21 @@ class Strict(BaseModel):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
 
     def openai(self) -> JSONResponse:
         kind = OPENAI_TYPES.get(self.status, "invalid_request_error")
         return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}},
-                            self.status)
+                            self.status, self.headers)
 
     def anthropic(self) -> JSONResponse:
         kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
-        return JSONResponse({"type": "error", "error": {"type": kind, "message": self.message}}, self.status)
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": self.message}}, self.status,
+                            self.headers)
 
 
 def invalid(errors: list[dict]) -> ApiError:

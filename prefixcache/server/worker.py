@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.scope import CacheScope
-from prefixcache.engine.engine import Engine
+from prefixcache.engine.engine import Engine, StepFailed
 from prefixcache.engine.sequence import RequestOutput, SamplingParams, Sequence, TokenLogprob
 
 log = logging.getLogger("prefixcache.engine")
@@ -160,13 +160,15 @@ class EngineWorker:
                 block = False
             try:
                 touched = self.engine.step()
-            except Exception:  # an engine bug: fail the live requests, keep serving
+            except Exception as e:  # an engine bug: fail the requests of that step (all, if unknown), keep serving
                 log.exception("engine step failed")
-                for handle in {id(h): h for h in self.live.values()}.values():
+                failed = {s.id for s in e.seqs} if isinstance(e, StepFailed) else set(self.live)
+                handles = {id(h): h for sid, h in self.live.items() if sid in failed}
+                for handle in handles.values():
                     for seq in handle.seqs:
                         self.engine.abort(seq)
+                        self.live.pop(seq.id, None)
                     self._deliver(handle, Update("", time.monotonic(), error="internal engine error", internal=True))
-                self.live.clear()
                 continue
             now = time.monotonic()
             for seq in touched:
