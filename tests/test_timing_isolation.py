@@ -1,0 +1,64 @@
+"""No timing signal across scopes (CVE-2025-46570's class of leak): on a live server, tenant b's time to first
+token on a prefix tenant a has cached is distributed like its time on a fresh prefix (two-sample KS test), while
+the same test tells a's own hits from misses, so it has the power to fail."""
+import random
+import time
+
+import httpx
+from scipy.stats import ks_2samp
+from server_fixtures import tiny_tenants_server
+
+N = 40  # requests per sample
+PROMPT = 1500  # tokens: the prefill a hit skips
+
+
+def _ttft(client: httpx.Client, key: str, prompt: list[int]) -> float:
+    """Seconds for a one-token completion: the prefill (or the hit) plus one step."""
+    t = time.perf_counter()
+    r = client.post("/v1/completions", json={"model": "default", "prompt": prompt, "max_tokens": 1,
+                                             "temperature": 0}, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    return time.perf_counter() - t
+
+
+def test_another_tenants_cached_prefix_is_as_slow_as_a_fresh_one(tmp_path_factory, tiny_model):
+    srv = tiny_tenants_server(tmp_path_factory, tiny_model)
+    rng = random.Random(0)
+    fresh = lambda: [rng.randrange(1000, 40000) for _ in range(PROMPT)]  # noqa: E731
+    cached = fresh()
+    times = {"b on a's prefix": [], "b fresh": [], "a hit": [], "a fresh": []}
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        for _ in range(3):  # a caches the prefix; the rest warms the server up
+            _ttft(c, "sk-a", cached), _ttft(c, "sk-b", fresh())
+        kinds = [k for k in times for _ in range(N)]
+        rng.shuffle(kinds)  # interleaved, so drift on this machine hits every sample alike
+        for kind in kinds:
+            key = "sk-b" if kind.startswith("b") else "sk-a"
+            times[kind].append(_ttft(c, key, cached if kind in ("b on a's prefix", "a hit") else fresh()))
+            if key == "sk-b":  # b's own copy must not make its next request a hit
+                assert c.delete("/v1/cache", headers={"Authorization": "Bearer sk-b"}).status_code == 200
+    across = ks_2samp(times["b on a's prefix"], times["b fresh"]).pvalue
+    control = ks_2samp(times["a hit"], times["a fresh"]).pvalue
+    assert control < 0.01, f"the test cannot see a real hit here (p = {control:.3g})"
+    assert across > 0.01, f"b's timing tells a's cache apart (p = {across:.3g})"
+
+
+def test_in_flight_deduplication_waits_only_within_the_scope(tiny_model):
+    """While a's long prefix is being prefilled, a's second request for it waits (then hits), and b's is admitted
+    at once: waiting would tell b that someone is computing that prefix."""
+    from prefixcache import LLM, SamplingParams
+    from prefixcache.cache.scope import CacheScope
+
+    llm = LLM(model=tiny_model, max_batch_tokens=512, max_num_seqs=8)
+    engine, prefix = llm.engine, list(range(2000, 3200))
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    engine.add_request(prefix + [1], one, CacheScope(tenant="a"))
+    engine.step(), engine.step()  # 1,024 of a's 1,201 tokens: its last chunk leaves room in the next step
+    again = engine.add_request(prefix + [2], one, CacheScope(tenant="a"))
+    other = engine.add_request(prefix + [3], one, CacheScope(tenant="b"))
+    engine.step()
+    running = engine.scheduler.running
+    assert other in running and again not in running
+    while engine.has_unfinished():
+        engine.step()
+    assert llm.engine.output(again).cached_tokens >= 1024 and llm.engine.output(other).cached_tokens == 0
