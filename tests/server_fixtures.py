@@ -16,7 +16,7 @@ from prefixcache.config import Config
 from prefixcache.server.app import ServeConfig, create_app
 
 KEYS = {"sk-acme": {"tenant": "acme", "labels": ["finance"]}, "sk-globex": {"tenant": "globex"},
-        "sk-admin": {"tenant": "ops", "admin": True}}
+        "sk-admin": {"tenant": "ops", "admin": True}, "sk-metered": {"tenant": "metered", "rpm": 3, "tpm": 400}}
 SHARED_SYSTEM = ("You are the support assistant of the Example Corporation. Answer briefly, cite the handbook "
                  "section you used, never invent policies, and escalate billing disputes to a human agent.")
 MIN_CACHE_TOKENS = 128

@@ -242,3 +242,28 @@ def test_a_failing_engine_step_fails_only_its_requests_and_frees_their_blocks():
         assert engine.pool.num_free == free
     finally:
         engine.runner.run = run
+
+
+def test_a_tenant_over_its_rate_limit_gets_429_with_retry_after_and_others_are_served(srv):
+    """sk-metered: 3 requests and 400 prompt tokens a minute. The 4th request in a row, or a prompt that the token
+    bucket cannot hold now, gets 429 in each API's format with the seconds to wait; other tenants are unaffected."""
+    metered = {"Authorization": "Bearer sk-metered"}
+    with httpx.Client(base_url=srv.url, timeout=60, headers=metered) as c:
+        for _ in range(3):
+            assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
+        r = c.post("/v1/chat/completions", json=CHAT)
+        assert openai_error(r, 429)["code"] == "rate_limit_exceeded" and 1 <= int(r.headers["retry-after"]) <= 20
+        r = c.post("/v1/messages", json=MESSAGES)
+        anthropic_error(r, 429, "rate_limit_error")
+        assert int(r.headers["retry-after"]) >= 1
+    assert httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT, headers=ACME, timeout=60).status_code == 200
+
+
+def test_token_rate_limit_waits_for_what_is_missing_and_lets_a_big_prompt_into_debt():
+    from prefixcache.server.limits import RateLimits
+
+    limits = RateLimits()
+    assert limits.admit("t", None, 100, 60) == 0
+    assert limits.admit("t", None, 100, 60) == 12  # 20 tokens missing at 100 a minute; nothing taken
+    assert limits.admit("u", None, 100, 500) == 0  # over a minute's worth: admitted on a full bucket, in debt
+    assert limits.admit("u", None, 100, 1) >= 240

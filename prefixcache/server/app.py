@@ -29,6 +29,7 @@ from prefixcache.prompt import encode_system
 from prefixcache.server.auth import Keys, Principal, authenticate
 from prefixcache.server.errors import ApiError, invalid
 from prefixcache.server.generation import Generation
+from prefixcache.server.limits import RateLimits
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.worker import EngineWorker
 
@@ -79,6 +80,7 @@ class Server:
         self.model_name = engine.model_name
         self.keys = Keys(cfg.api_keys) if cfg.api_keys else None
         self.metrics = Metrics(engine.model_name)
+        self.limits = RateLimits()
 
     def auth(self, request: Request) -> Principal:
         return authenticate(self.keys, request.headers)
@@ -98,6 +100,9 @@ class Server:
                            param="messages", code="context_length_exceeded")
         if self.worker.in_flight >= self.cfg.engine.max_num_seqs + self.cfg.max_queue:
             raise ApiError(529 if api == "anthropic" else 429, "server is over capacity; retry later", retry_after=1)
+        if wait := self.limits.admit(principal.tenant, principal.rpm, principal.tpm, len(prompt)):
+            raise ApiError(429, f"rate limit of tenant {principal.tenant!r} reached; retry in {wait} s",
+                           code="rate_limit_exceeded", retry_after=wait)
         scope = CacheScope(tenant=principal.tenant, labels=principal.labels, salt=salt)
         gen = Generation(self, self.worker.submit(prompt, params, scope, list(breakpoints)), api, principal.tenant,
                          params, where)

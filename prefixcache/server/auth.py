@@ -1,6 +1,7 @@
 """API keys: each key names a tenant, its labels, and whether it may administer the whole cache.
 
-`--api-keys FILE` is JSON: {"sk-key": {"tenant": "acme", "labels": ["finance"], "admin": false}, ...}.
+`--api-keys FILE` is JSON: {"sk-key": {"tenant": "acme", "labels": ["finance"], "admin": false, "rpm": 60,
+"tpm": 100000}, ...}; `rpm` and `tpm` (requests and prompt tokens per minute, server/limits.py) are optional.
 Without a key file the server has one tenant, "local", and no authentication. Keys are held only as SHA-256
 digests and compared in constant time; the file is read again on SIGHUP. No key is ever logged.
 """
@@ -20,6 +21,8 @@ class Principal:
     tenant: str
     labels: tuple[str, ...] = ()
     admin: bool = False
+    rpm: float | None = None  # requests per minute; None: no limit
+    tpm: float | None = None  # prompt tokens per minute; None: no limit
 
 
 LOCAL = Principal("local", admin=True)
@@ -76,8 +79,8 @@ def authenticate(keys: Keys | None, headers) -> Principal:
 def _read(path: str) -> list[tuple[bytes, Principal]]:
     with open(path) as f:
         raw = json.load(f)
-    return [(_digest(key), Principal(v["tenant"], tuple(sorted(v.get("labels", []))), bool(v.get("admin", False))))
-            for key, v in raw.items()]
+    return [(_digest(key), Principal(v["tenant"], tuple(sorted(v.get("labels", []))), bool(v.get("admin", False)),
+                                     v.get("rpm"), v.get("tpm"))) for key, v in raw.items()]
 
 
 def _digest(key: str) -> bytes:
