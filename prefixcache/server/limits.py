@@ -21,8 +21,8 @@ class Bucket:
 
     def wait(self, n: float, now: float) -> float:
         """Seconds until n can be taken (0: now), after refilling to `now`."""
-        self.level = min(self.per_minute, self.level + (now - self.stamp) * self.per_minute / 60)
-        self.stamp = now
+        self.level = min(self.per_minute, self.level + max(0.0, now - self.stamp) * self.per_minute / 60)
+        self.stamp = max(self.stamp, now)
         return max(0.0, min(n, self.per_minute) - self.level) * 60 / self.per_minute
 
 
