@@ -141,6 +141,20 @@ def test_eviction_order_expired_then_priority_then_lru(tiny_model):
     assert order.index((0, 32)) < order.index((100, 132)) < order.index((200, 232))
 
 
+def test_a_tenant_flooding_the_cache_evicts_its_own_entries_first(tiny_model):
+    """Tenant b's prefix (20 blocks, the oldest entry) survives tenant a writing 10 times the budget of unique
+    prefixes: the owner holding the most blocks gives up its own first. LRU alone would evict b's first."""
+    block_bytes = LLM(model=tiny_model, enable_prefix_cache=False).engine.pool.block_bytes
+    llm = LLM(model=tiny_model, kv_cache_bytes=130 * block_bytes, max_num_seqs=4)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    hot = BASE[:320]
+    llm.generate([hot], one, scope=CacheScope(tenant="b"))
+    for i in range(80):
+        llm.generate([list(range(5000 + 200 * i, 5160 + 200 * i))], one, scope=CacheScope(tenant="a"))
+    assert llm.engine.blocks.cache.evictions["capacity"] > 100
+    assert llm.generate([hot + [5]], one, scope=CacheScope(tenant="b"))[0].cached_tokens == 320
+
+
 def test_tiny_budget_evicts_and_stays_correct(tiny_model):
     cold = LLM(model=tiny_model, enable_prefix_cache=False)
     block_bytes = cold.engine.pool.block_bytes

@@ -7,7 +7,8 @@ tree as leaves; a hit on one, or on the head of a full block, is served by copyi
 
 Every node holds one pool reference on its block; a running sequence holds its own. A node may be evicted
 only when it is an unpinned leaf whose block nobody else references. Eviction takes expired entries first,
-then lower priority, then least recently used.
+then from the owner holding the most blocks (so a tenant flooding the cache evicts its own entries, not
+others' below an equal share), then lower priority, then least recently used.
 
 The cache knows scope keys, tokens and block ids, never a request. Each scope with live entries has an opaque
 owner (the engine uses tenant and labels), so that an owner's entries can be purged under every scope it wrote.
@@ -141,19 +142,29 @@ class PrefixCache:
             n.expires_at = now + n.ttl if n.ttl is not None else float("inf")
 
     def evict(self, n_blocks: int) -> int:
-        """Free up to n_blocks by dropping evictable leaves; returns how many blocks were freed."""
+        """Free up to n_blocks by dropping evictable leaves; returns how many blocks were freed. Expired entries
+        go first; then the owner holding the most blocks gives up its own, so no owner can push another below
+        an equal share of the cache; then lower priority, then least recently used."""
         now = self.clock()
-        heap = [self._rank(n, now) for n in self.nodes.values() if self._evictable(n)]
+        held = Counter()
+        for owner, n in self.scopes.values():
+            held[owner] += n
+        heap = [self._rank(n, now, held) for n in self.nodes.values() if self._evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < n_blocks:
-            expired, _, _, _, node = heapq.heappop(heap)
+            rank = heapq.heappop(heap)
+            node = rank[-1]
             if not self._evictable(node):
                 continue
+            if rank != (fresh := self._rank(node, now, held)):  # its owner has shrunk since it was ranked
+                heapq.heappush(heap, fresh)
+                continue
             parent = node.parent
-            freed += self._remove(node, "ttl" if expired == 0 else "capacity")
+            held[self.scopes[node.scope][0]] -= 1
+            freed += self._remove(node, "ttl" if rank[0] == 0 else "capacity")
             if parent is not None and parent.parent is not None and self._evictable(parent):
-                heapq.heappush(heap, self._rank(parent, now))
+                heapq.heappush(heap, self._rank(parent, now, held))
         return freed
 
     def purge(self, scope: bytes) -> int:
@@ -211,9 +222,10 @@ class PrefixCache:
     def _evictable(self, node: Node) -> bool:
         return node.alive and not node.children and not node.pinned and self.pool.refs[node.block] == 1
 
-    @staticmethod
-    def _rank(node: Node, now: float):
-        return (0 if node.expires_at <= now else 1, node.priority, node.last_access, id(node), node)
+    def _rank(self, node: Node, now: float, held: Counter):
+        expired = node.expires_at <= now
+        return (0 if expired else 1, 0 if expired else -held[self.scopes[node.scope][0]], node.priority,
+                node.last_access, id(node), node)
 
     def _remove(self, node: Node, reason: str) -> int:
         assert not node.children and node.alive
