@@ -144,27 +144,31 @@ class PrefixCache:
     def evict(self, n_blocks: int) -> int:
         """Free up to n_blocks by dropping evictable leaves; returns how many blocks were freed. Expired entries
         go first; then the owner holding the most blocks gives up its own, so no owner can push another below
-        an equal share of the cache; then lower priority, then least recently used."""
+        an equal share of the cache; within an owner, lower priority, then least recently used."""
         now = self.clock()
-        held = Counter()
+        held: Counter = Counter()
         for owner, n in self.scopes.values():
             held[owner] += n
-        heap = [self._rank(n, now, held) for n in self.nodes.values() if self._evictable(n)]
-        heapq.heapify(heap)
+        heaps: dict[Hashable, list] = {}  # owner -> its evictable leaves, by rank
+        for node in self.nodes.values():
+            if self._evictable(node):
+                heaps.setdefault(self.scopes[node.scope][0], []).append(self._rank(node, now))
+        for heap in heaps.values():
+            heapq.heapify(heap)
         freed = 0
-        while heap and freed < n_blocks:
-            rank = heapq.heappop(heap)
+        while freed < n_blocks and heaps:
+            owner = min(heaps, key=lambda o: (heaps[o][0][0], -held[o]))  # an expired entry, else the biggest
+            rank = heapq.heappop(heaps[owner])
+            if not heaps[owner]:
+                del heaps[owner]
             node = rank[-1]
             if not self._evictable(node):
                 continue
-            if rank != (fresh := self._rank(node, now, held)):  # its owner has shrunk since it was ranked
-                heapq.heappush(heap, fresh)
-                continue
             parent = node.parent
-            held[self.scopes[node.scope][0]] -= 1
+            held[owner] -= 1
             freed += self._remove(node, "ttl" if rank[0] == 0 else "capacity")
             if parent is not None and parent.parent is not None and self._evictable(parent):
-                heapq.heappush(heap, self._rank(parent, now, held))
+                heapq.heappush(heaps.setdefault(self.scopes[parent.scope][0], []), self._rank(parent, now))
         return freed
 
     def purge(self, scope: bytes) -> int:
@@ -222,10 +226,9 @@ class PrefixCache:
     def _evictable(self, node: Node) -> bool:
         return node.alive and not node.children and not node.pinned and self.pool.refs[node.block] == 1
 
-    def _rank(self, node: Node, now: float, held: Counter):
-        expired = node.expires_at <= now
-        return (0 if expired else 1, 0 if expired else -held[self.scopes[node.scope][0]], node.priority,
-                node.last_access, id(node), node)
+    @staticmethod
+    def _rank(node: Node, now: float):
+        return (0 if node.expires_at <= now else 1, node.priority, node.last_access, id(node), node)
 
     def _remove(self, node: Node, reason: str) -> int:
         assert not node.children and node.alive
