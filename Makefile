@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip --disable-pip-version-check -q
 
-.PHONY: setup serve test bench peers demo clean
+.PHONY: setup serve test bench reliability peers demo clean
 
 setup: .venv/.setup-done
 
@@ -28,6 +28,12 @@ bench: setup
 	$(PY) -m prefixcache.bench.features
 	$(PY) -m prefixcache.bench.spec
 	$(PY) -m prefixcache.cli bench --name default
+
+# the long form of the reliability tests (about 5 minutes here), and their report in bench/results/reliability.md
+reliability: setup
+	PREFIXCACHE_LONG=1 PREFIXCACHE_REPORT=bench/results/reliability.json $(PY) -m pytest -q tests/test_load.py \
+		tests/test_isolation_fuzz.py tests/test_timing_isolation.py tests/test_server_errors.py
+	$(PY) -m prefixcache.bench.reliability bench/results/reliability.json
 
 # vLLM CPU and llama-cpp-python in their own venvs under peers/ (not part of setup or CI); see peers/serve.sh
 peers: setup

@@ -81,3 +81,21 @@ def generate_with_logits(llm, prompts, params=GREEDY, **kwargs):
     finally:
         llm.engine.sampler.sample = sample
     return outs, [torch.stack(seen[o.request_id]) for o in outs]
+
+
+# `make reliability` runs the reliability checks in their long form and collects each one's figures (issue 14).
+LONG = os.environ.get("PREFIXCACHE_LONG") == "1"
+_FIGURES: dict[str, dict] = {}
+
+
+@pytest.fixture
+def figures() -> dict[str, dict]:
+    """A test's figures for the reliability report, by check name."""
+    return _FIGURES
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("PREFIXCACHE_REPORT")
+    if path and _FIGURES:
+        with open(path, "w") as f:
+            json.dump({"long": LONG, "passed": exitstatus == 0, "checks": _FIGURES}, f, indent=1)

@@ -6,13 +6,14 @@ import json
 import random
 
 import httpx
+from conftest import LONG
 from server_fixtures import _start
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.config import Config
 from prefixcache.server.app import ServeConfig
 
-REQUESTS = 1000
+REQUESTS = 4000 if LONG else 1000
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 KEYS = {"sk-a": {"tenant": "a"}, "sk-a-fin": {"tenant": "a", "labels": ["finance"]}, "sk-b": {"tenant": "b"}}
 
@@ -26,7 +27,7 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return n
 
 
-def test_cached_tokens_never_exceed_what_the_scope_may_read(tmp_path, tiny_model):
+def test_cached_tokens_never_exceed_what_the_scope_may_read(tmp_path, tiny_model, figures):
     (tmp_path / "keys.json").write_text(json.dumps(KEYS))
     (tmp_path / "shared.json").write_text(json.dumps(["You are the shared assistant of every tenant here."]))
     srv = _start("fuzz-isolation", ServeConfig(Config(model=tiny_model, kv_cache_bytes=2**26, min_cache_tokens=0),
@@ -58,3 +59,5 @@ def test_cached_tokens_never_exceed_what_the_scope_may_read(tmp_path, tiny_model
             seen.setdefault(scope, []).append(prompt + out.token_ids)
             checked += cached > 0
     assert checked > REQUESTS // 4  # enough hits that the bound was tested, not trivially met
+    figures["isolation fuzz"] = {"requests": REQUESTS, "hits_checked": checked, "cross_scope_hits": 0,
+                                 "outputs_equal_cold": True}

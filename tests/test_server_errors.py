@@ -82,7 +82,7 @@ ANTHROPIC_BAD = [
 ]
 
 
-def test_bad_inputs_get_4xx_in_each_format_and_do_not_disturb_a_running_request(srv):
+def test_bad_inputs_get_4xx_in_each_format_and_do_not_disturb_a_running_request(srv, figures):
     result = {}
 
     def good():
@@ -98,6 +98,7 @@ def test_bad_inputs_get_4xx_in_each_format_and_do_not_disturb_a_running_request(
     t.join()
     assert result["r"].status_code == 200 and result["r"].json()["choices"][0]["message"]["content"]
     assert httpx.get(f"{srv.url}/health").status_code == 200
+    figures["bad inputs"] = {"tried": len(OPENAI_BAD) + len(ANTHROPIC_BAD), "answered_4xx_in_format": True}
 
 
 def test_auth(srv):
@@ -203,7 +204,7 @@ def test_a_body_over_the_limit_gets_413_before_it_is_parsed(srv):
     assert httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT, headers=ACME, timeout=60).status_code == 200
 
 
-def test_a_failing_engine_step_fails_only_its_requests_and_frees_their_blocks():
+def test_a_failing_engine_step_fails_only_its_requests_and_frees_their_blocks(figures):
     """An exception injected into the steps that run one request: that request gets a 500 in each API's format,
     its blocks return to the pool, and the request queued behind it (not in the failing step) is served."""
     srv = nocache_server()  # one running request: the other waits outside the step
@@ -240,6 +241,8 @@ def test_a_failing_engine_step_fails_only_its_requests_and_frees_their_blocks():
                                    timeout=60), 500, "api_error")
         until(lambda: worker.in_flight == 0)
         assert engine.pool.num_free == free
+        figures["faults"] = {"injected_step_failures": 2, "survived": True, "blocks_leaked": 0,
+                             "queued_request_served": True}
     finally:
         engine.runner.run = run
 
