@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from prefixcache.options import add_engine_options, default
+from prefixcache.options import add_engine_options, default, size
 
 
 def cmd_generate(args) -> None:
@@ -47,7 +47,8 @@ def cmd_serve(args) -> None:
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler it found: make that
     # handler a no-op, so a graceful shutdown exits 0
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info")
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info",
+                timeout_graceful_shutdown=cfg.grace_seconds)
 
 
 def cmd_lint(args) -> None:
@@ -94,9 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML file with any of these options (underscored names); flags override it")
     p.add_argument("--host", help="(default: 127.0.0.1)")
     p.add_argument("--port", type=int, help="(default: 8000)")
-    p.add_argument("--api-keys", help='JSON: {"sk-key": {"tenant": "acme", "labels": [], "admin": false}}')
+    p.add_argument("--api-keys", help='JSON: {"sk-key": {"tenant": "acme", "labels": [], "admin": false, "rpm": 60, '
+                   '"tpm": 100000}} (rpm, tpm: optional per-tenant rate limits)')
     p.add_argument("--shared-prefixes", help="JSON list of system prompts shared by all tenants")
     p.add_argument("--max-queue", type=int, help="waiting requests before 429 / 529 (default: 64)")
+    p.add_argument("--max-body-bytes", type=size, help="larger request bodies get 413 (default: 4M)")
+    p.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish (default: 30)")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
 

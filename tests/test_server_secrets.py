@@ -37,16 +37,13 @@ def test_lookup(tmp_path):
     assert keys.lookup("sk-c") is None and keys.lookup("") is None and keys.lookup("sk-a ") is None
 
 
-@pytest.fixture
-def served(tiny_model, tmp_path):
-    """`prefixcache serve` as its own process (signals go to its main thread)."""
-    keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"sk-old": {"tenant": "a"}}))
+def _serve(keys, *args: str) -> tuple[str, subprocess.Popen]:
+    """`prefixcache serve` as its own process (signals go to its main thread), once it answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "prefixcache.cli", "serve", "--port", str(port), "--model",
-                             tiny_model, "--api-keys", str(keys)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "prefixcache.cli", "serve", "--port", str(port),
+                             "--api-keys", str(keys), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
@@ -57,9 +54,50 @@ def served(tiny_model, tmp_path):
             return False
 
     until(up, timeout=120)
+    return url, proc
+
+
+@pytest.fixture
+def served(tiny_model, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-old": {"tenant": "a"}}))
+    url, proc = _serve(keys, "--model", tiny_model)
     yield url, keys, proc
     proc.terminate()
     assert proc.wait(30) == 0  # SIGTERM: a clean exit
+
+
+@pytest.mark.parametrize("grace, finished", [("30", True), ("0.5", False)])
+def test_sigterm_lets_running_requests_finish_within_the_grace_period(tmp_path, grace, finished):
+    """SIGTERM mid-stream: no new connections; the running stream ends normally within --grace-seconds, or is cut
+    when that is shorter; either way the server exits 0. (The default model: its 150 tokens take seconds.)"""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk": {"tenant": "a"}}))
+    url, proc = _serve(keys, "--grace-seconds", grace)
+    body = {"model": "default", "prompt": "Once upon a time, in a city by the sea,", "max_tokens": 150,
+            "temperature": 0, "stream": True}
+    events = []
+    with httpx.Client(base_url=url, timeout=60, headers={"Authorization": "Bearer sk"}) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            try:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        if len(events) == 1:
+                            proc.terminate()
+                            until(lambda: _refused(url))
+            except httpx.HTTPError:
+                pass  # cut at the end of the grace period
+    assert proc.wait(30) == 0
+    assert (events[-1]["choices"][0]["finish_reason"] is not None) == finished, (len(events), events[-1])
+
+
+def _refused(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=1)
+    except httpx.ConnectError:
+        return True
+    return False
 
 
 def test_sighup_reloads_the_keys_file(served):

@@ -49,6 +49,7 @@ class ServeConfig:
     shared_prefixes: str | None = None  # JSON list of system-prompt strings shared by all tenants
     max_queue: int = 64  # waiting requests beyond the running batch; past it, 429 / 529
     max_body_bytes: int = 4 << 20  # larger request bodies get 413 before they are read further
+    grace_seconds: float = 30.0  # on SIGTERM: no new connections; running requests get this long to finish
 
 
 SERVE_OPTIONS = tuple(f.name for f in fields(ServeConfig) if f.name != "engine")
