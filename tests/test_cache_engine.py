@@ -155,6 +155,23 @@ def test_a_tenant_flooding_the_cache_evicts_its_own_entries_first(tiny_model):
     assert llm.generate([hot + [5]], one, scope=CacheScope(tenant="b"))[0].cached_tokens == 320
 
 
+def test_a_tenants_flood_of_requests_does_not_starve_another(tiny_model):
+    """Tenant a queues 6 requests, then b one, with room for 2 at a time: b gets one of the first free slots, ahead
+    of a's other queued requests (arrival order alone would make it wait for all of them)."""
+    llm = LLM(model=tiny_model, max_num_seqs=2, enable_prefix_cache=False)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    flood = [llm.engine.add_request(list(range(100 + 10 * i, 110 + 10 * i)), params, CacheScope(tenant="a"))
+             for i in range(6)]
+    llm.engine.step()
+    b = llm.engine.add_request(list(range(900, 910)), params, CacheScope(tenant="b"))
+    admitted = []
+    while llm.engine.has_unfinished():
+        before = set(map(id, llm.engine.scheduler.running))
+        llm.engine.step()
+        admitted += [s for s in llm.engine.scheduler.running if id(s) not in before]
+    assert admitted.index(b) <= 1 and all(s.finish_reason == "length" for s in flood + [b])
+
+
 def test_tiny_budget_evicts_and_stays_correct(tiny_model):
     cold = LLM(model=tiny_model, enable_prefix_cache=False)
     block_bytes = cold.engine.pool.block_bytes

@@ -1,5 +1,5 @@
 """Continuous batching: which sequences run this step, and how many of their tokens."""
-from collections import deque
+from collections import Counter, deque
 
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.sequence import Sequence, Status
@@ -85,10 +85,16 @@ class Scheduler:
             seq.status = Status.FINISHED
 
     def _admission_order(self) -> list[tuple[Sequence, object]]:
-        """(request, its cache match): longest cached prefix first, except that a request passed over
-        `fairness_steps` times goes first."""
-        matches = [(seq, self.blocks.match(seq)) for seq in self.waiting]
-        return sorted(matches, key=lambda p: (p[0].skipped < self.fairness_steps, -len(p[1]), p[0].arrival))
+        """(request, its cache match): a request passed over `fairness_steps` times first; then round-robin over
+        tenants (a request's turn: its tenant's running sequences plus the tenant's requests waiting ahead of it),
+        so one tenant's flood of requests cannot starve another's; then the longest cached prefix, then arrival."""
+        turn = Counter(seq.scope.tenant for seq in self.running)
+        order = []
+        for seq in sorted(self.waiting, key=lambda s: s.arrival):
+            order.append((seq, self.blocks.match(seq), turn[seq.scope.tenant]))
+            turn[seq.scope.tenant] += 1
+        order.sort(key=lambda p: (p[0].skipped < self.fairness_steps, p[2], -len(p[1]), p[0].arrival))
+        return [(seq, m) for seq, m, _ in order]
 
     def _waits_for_inflight(self, seq: Sequence, m) -> bool:
         """True if a running prefill is computing the next block of this request's prefix: wait, then hit."""
