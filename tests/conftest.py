@@ -66,20 +66,26 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
 def generate_with_logits(llm, prompts, params=GREEDY, **kwargs):
-    """Generate, and keep every next-token logits vector the engine sampled from (per request, stacked)."""
+    """Generate, and keep every next-token logits vector an output token was chosen from, sampled or (with
+    speculative decoding) verified against a draft (per request, stacked)."""
     seen: dict[int, list[torch.Tensor]] = {}
-    sample = llm.engine.sampler.sample
+    sampler = llm.engine.sampler
+    sample, verify = sampler.sample, sampler.verify
 
-    def recording(logits, seqs):
+    def recording_sample(logits, seqs):
         for row, seq in zip(logits, seqs):
             seen.setdefault(seq.id, []).append(row.clone())
         return sample(logits, seqs)
 
-    llm.engine.sampler.sample = recording
+    def recording_verify(row, seq, draft):
+        seen.setdefault(seq.id, []).append(row.clone())
+        return verify(row, seq, draft)
+
+    sampler.sample, sampler.verify = recording_sample, recording_verify
     try:
         outs = llm.generate(prompts, params, **kwargs)
     finally:
-        llm.engine.sampler.sample = sample
+        sampler.sample, sampler.verify = sample, verify
     return outs, [torch.stack(seen[o.request_id]) for o in outs]
 
 

@@ -2,6 +2,7 @@
 those of speculation off; sampled output keeps its distribution; drafts never cross a scope."""
 import pytest
 import torch
+from conftest import generate_with_logits
 
 from prefixcache import LLM, Config, SamplingParams
 from prefixcache.cache.scope import CacheScope
@@ -10,29 +11,6 @@ from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-
-
-def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
-    """Outputs, and per request the logits row each output token was chosen from (sampled or verified)."""
-    rows: dict[int, list[torch.Tensor]] = {}
-    sampler = llm.engine.sampler
-    sample, verify = sampler.sample, sampler.verify
-
-    def recording_sample(logits, seqs):
-        for row, seq in zip(logits, seqs):
-            rows.setdefault(seq.id, []).append(row.clone())
-        return sample(logits, seqs)
-
-    def recording_verify(row, seq, draft):
-        rows.setdefault(seq.id, []).append(row.clone())
-        return verify(row, seq, draft)
-
-    sampler.sample, sampler.verify = recording_sample, recording_verify
-    try:
-        outs = llm.generate(prompts, params)
-    finally:
-        sampler.sample, sampler.verify = sample, verify
-    return outs, [torch.stack(rows[o.request_id]) for o in outs]
 
 
 def _repetitive(tokenizer, i: int) -> list[int]:
@@ -50,8 +28,8 @@ def test_greedy_output_and_logits_equal_speculation_off(fixture, request):
     on = LLM(model=model, speculative="both", num_speculative_tokens=6)
     prompts = [_repetitive(off.engine.tokenizer, i) for i in range(8)]
     for batch in (prompts[:1], prompts):
-        a_out, a = _run(off, batch)
-        b_out, b = _run(on, batch)
+        a_out, a = generate_with_logits(off, batch, GREEDY)
+        b_out, b = generate_with_logits(on, batch, GREEDY)
         assert [o.token_ids for o in a_out] == [o.token_ids for o in b_out]
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     if fixture == "default":  # the tiny model's random weights do not copy, the real one does
