@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip --disable-pip-version-check -q
 
-.PHONY: setup serve test bench reliability peers demo clean
+.PHONY: setup serve test redis bench reliability peers demo clean
 
 setup: .venv/.setup-done
 
@@ -20,8 +20,14 @@ serve: setup
 demo: setup
 	$(PY) -m prefixcache.cli generate --chat "Write one sentence about caching."
 
-test: setup
+test: setup redis
 	$(PY) -m pytest -q -x
+
+# the KV tier and router tests start their own redis-server processes on free ports
+redis:
+	@command -v redis-server >/dev/null || { echo "installing redis-server (Debian package)"; \
+		apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; } || \
+		{ echo "make: redis-server is needed by the tests: install Redis 7 (apt-get install redis-server)"; exit 1; }
 
 bench: setup
 	$(PY) -m prefixcache.bench.engine

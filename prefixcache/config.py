@@ -42,6 +42,12 @@ class Config:
     # recent outputs) | both; every draft is verified, so greedy output is bit-identical (engine/drafter.py)
     num_speculative_tokens: int = 8  # the longest draft, up to 16; each request's shrinks with its acceptance
     num_threads: int = 0  # 0: torch's default
+    # KV tiers below host memory (cache/tiers.py), each off unless set:
+    disk_cache: str = ""  # L2: a folder for blocks evicted from memory
+    disk_cache_gb: float = 10.0  # L2's byte budget (GiB), least recently used out first
+    redis_url: str = ""  # L3, shared by replicas, and the KV event stream: redis://HOST:PORT/DB
+    redis_ttl: float = 3600.0  # seconds an L3 entry without a TTL of its own lives (pinned ones: for ever)
+    replica_id: str = ""  # this replica's name in KV events; "" -> hostname-pid
 
     def __post_init__(self):
         assert self.attn_tile % self.block_size == 0, "attn_tile must be a multiple of block_size"
@@ -51,6 +57,8 @@ class Config:
         if self.dtype == "bfloat16" and not (cpu := cpu_info()).has_bf16:
             raise ValueError(f"dtype='bfloat16' needs a CPU with avx512_bf16 or AMX, which {cpu.model} lacks: "
                              "use float32")
+        if (self.disk_cache or self.redis_url) and not self.enable_prefix_cache:
+            raise ValueError("disk_cache and redis_url are tiers of the prefix cache: enable it")
         if self.kv_dtype == "auto":
             self.kv_dtype = self.dtype
         if not self.model:

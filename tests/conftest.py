@@ -105,3 +105,13 @@ def pytest_sessionfinish(session, exitstatus):
     if path and _FIGURES:
         with open(path, "w") as f:
             json.dump({"long": LONG, "passed": exitstatus == 0, "checks": _FIGURES}, f, indent=1)
+
+
+@pytest.fixture
+def redis_proc():
+    """A redis-server of this test's own, on a free port."""
+    from services import RedisProcess
+
+    proc = RedisProcess().start()
+    yield proc
+    proc.stop()

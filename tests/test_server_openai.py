@@ -39,7 +39,9 @@ def test_chat_reports_cached_tokens_on_the_second_request(srv):
     assert first.usage.prompt_tokens_details.cached_tokens == 0 and h1["scope"] == "none"
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens - 16 and cached < second.usage.prompt_tokens
-    assert h2 == {"cached": str(cached), "prompt": str(second.usage.prompt_tokens), "scope": "own", "miss": "hit"}
+    assert h2 == {"cached": str(cached), "prompt": str(second.usage.prompt_tokens), "scope": "own",
+                  "tiers": f"L1:{cached}", "miss": "hit"}
+    assert second.usage.prompt_tokens_details.cached_tokens_by_tier == {"L1": cached}
     assert h1["miss"] == "cold"
     assert second.choices[0].message.content == first.choices[0].message.content  # warm == cold
     assert second.choices[0].finish_reason == first.choices[0].finish_reason
@@ -138,8 +140,8 @@ def test_shared_prefix_hits_across_tenants_on_exactly_that_prefix(srv):
     shared_len = len(encode_system(srv.server.tokenizer, SHARED_SYSTEM))
     chat(srv, SHARED_SYSTEM, "Where is my invoice? " * 20, key="sk-acme")
     _, h = chat(srv, SHARED_SYSTEM, "How do I reset my password? " * 20, key="sk-globex")
-    assert h == {"cached": str(shared_len), "prompt": h["prompt"], "scope": "shared", "miss": "diverged",
-                 "at": "template"}  # the shared system prompt ends; the template's end-of-message tokens follow
+    assert h == {"cached": str(shared_len), "prompt": h["prompt"], "scope": "shared", "tiers": f"L1:{shared_len}",
+                 "miss": "diverged", "at": "template"}  # the shared system prompt ends; the template's end-of-message tokens follow
     _, h = chat(srv, SHARED_SYSTEM, "How do I reset my password? " * 20, key="sk-globex")
     assert int(h["cached"]) > shared_len and h["scope"] == "shared"  # the rest is globex's own
 

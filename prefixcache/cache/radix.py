@@ -12,13 +12,15 @@ others' below an equal share), then lower priority, then least recently used.
 
 The cache knows scope keys, tokens and block ids, never a request. Each scope with live entries has an opaque
 owner (the engine uses tenant and labels), so that an owner's entries can be purged under every scope it wrote.
-NullCache stands in when caching is off.
+A listener, if set, hears of every full block that enters or leaves (while its block still holds its K/V): the
+engine's tiers below host memory and KV events. NullCache stands in when caching is off.
 """
 import heapq
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -56,6 +58,12 @@ class Match:
         return sum(len(n.tokens) for n in self.nodes) + self.partial_len
 
 
+class Listener(Protocol):
+    def stored(self, node: Node) -> None: ...
+
+    def removed(self, node: Node, reason: str) -> None: ...
+
+
 class PrefixCache:
     enabled = True
 
@@ -70,6 +78,7 @@ class PrefixCache:
         self.contents: Counter[bytes] = Counter()  # scope-free keys of live full blocks
         self.gone: OrderedDict[bytes, str] = OrderedDict()  # recently removed keys -> reason, for miss answers
         self.scopes: dict[bytes, list] = {}  # scope key -> [owner, live nodes]: bounded by the nodes
+        self.listener: Listener | None = None
 
     # ---- public API -------------------------------------------------------------------------------------
     def match(self, tokens: list[int], keys: list[bytes], scopes: list[bytes], partial_scopes: tuple[bytes, ...],
@@ -129,11 +138,16 @@ class PrefixCache:
         parent.children[key] = node
         self.nodes[key] = node
         self.touch([node])
+        if self.listener and len(tokens) == self.bs:
+            self.listener.stored(node)
         return node, True
 
     def get(self, key: bytes) -> Node | None:
         """The live node with this key, if any."""
         return self.nodes.get(key)
+
+    def owner(self, node: Node) -> Hashable:
+        return self.scopes[node.scope][0]
 
     def touch(self, nodes: list[Node]) -> None:
         now = self.clock()
@@ -232,6 +246,8 @@ class PrefixCache:
 
     def _remove(self, node: Node, reason: str) -> int:
         assert not node.children and node.alive
+        if self.listener and len(node.tokens) == self.bs:
+            self.listener.removed(node, reason)
         node.alive = False
         self.num_pinned -= node.pinned
         del node.parent.children[node.key]

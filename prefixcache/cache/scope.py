@@ -26,6 +26,11 @@ class CacheScope:
                   self.salt)
         return xxhash.xxh3_128_digest("\x1f".join(f"{len(f)}:{f}" for f in fields).encode())
 
+    @property
+    def owner(self) -> tuple[str, tuple[str, ...]]:
+        """Whose entries a scope's are, for purges: its tenant and labels, whatever the salt or other fields."""
+        return self.tenant, self.labels
+
     @cached_property
     def shared(self) -> "CacheScope":
         """The operator-declared scope shared across tenants, labels and salts (never across weights)."""

@@ -11,7 +11,9 @@ from prefixcache.cache.policy import WritePolicy
 from prefixcache.cache.pool import KVPool
 from prefixcache.cache.radix import Match, NullCache, PrefixCache, block_key, chain_keys
 from prefixcache.cache.scope import CacheScope
+from prefixcache.cache.tiers import Tiers
 from prefixcache.engine.sequence import CacheState, Sequence
+from prefixcache.engine.tiering import Tiering
 
 
 class BlockManager:
@@ -26,6 +28,7 @@ class BlockManager:
         self.log_cross_scope_misses = log_cross_scope_misses  # operator-only: see _holds_elsewhere
         self.query_tokens = 0
         self.hit_tokens = 0
+        self.tiering: Tiering | None = None  # KV tiers below host memory, if any (attach)
 
     # ---- admission ----------------------------------------------------------------------------------------
     def prepare(self, seq: Sequence) -> None:
@@ -37,7 +40,19 @@ class BlockManager:
         c.policy = WritePolicy(tuple(seq.breakpoints), seq.num_prompt, c.shared_len, self.min_cache_tokens,
                                self.default_ttl)
         n_full = len(seq.tokens) // self.bs
-        c.keys = chain_keys(seq.tokens, [self._scope(seq, (j + 1) * self.bs).key for j in range(n_full)], self.bs)
+        c.keys = chain_keys(seq.tokens, [self.scope_at(seq, (j + 1) * self.bs).key for j in range(n_full)], self.bs)
+
+    def attach(self, tiers: Tiers) -> None:
+        self.tiering = Tiering(self, tiers)
+
+    def prefetch(self, seq: Sequence) -> None:
+        """Start looking up the blocks past the request's L1 match in the tiers below (if any)."""
+        if self.tiering:
+            self.tiering.prefetch(seq)
+
+    def ready(self, seq: Sequence) -> bool:
+        """False while a lookup in the tiers below runs for this request (it waits; others go on)."""
+        return self.tiering.ready(seq) if self.tiering else True
 
     def reads_cache(self, seq: Sequence) -> bool:
         """A request that wants prompt logprobs computes its whole prompt: cached positions have no logits."""
@@ -48,7 +63,7 @@ class BlockManager:
         if not self.reads_cache(seq):
             limit = 0
         c = seq.cache
-        scopes = [self._scope(seq, (j + 1) * self.bs).key for j in range(len(c.keys))]
+        scopes = [self.scope_at(seq, (j + 1) * self.bs).key for j in range(len(c.keys))]
         partial_scopes = (seq.scope.key, seq.scope.shared.key) if c.shared_len else (seq.scope.key,)
         return self.cache.match(seq.tokens, c.keys, scopes, partial_scopes,
                                 len(seq.tokens) - 1 if limit is None else limit)
@@ -62,7 +77,7 @@ class BlockManager:
         for n in used:  # locked first, so making room below cannot evict them
             self.pool.ref(n.block)
         needed = math.ceil(len(seq.tokens) / self.bs) - len(m.nodes)
-        if not self._reserve(needed):
+        if not self.reserve(needed):
             for n in used:
                 self.pool.unref(n.block)
             return False
@@ -83,7 +98,7 @@ class BlockManager:
         """Start child (the same prompt) from parent's computed tokens: share its full blocks, copy the partial last
         one. The child reads nothing from the cache and writes no prompt token; False if the copy does not fit."""
         n_full, part = divmod(parent.num_computed, self.bs)
-        if part and not self._reserve(1):
+        if part and not self.reserve(1):
             return False
         child.block_table = parent.block_table[:n_full] + (self.pool.allocate(1) if part else [])
         for b in child.block_table[:n_full]:
@@ -102,7 +117,7 @@ class BlockManager:
         needed = math.ceil((seq.num_computed + n_tokens) / self.bs) - len(seq.block_table)
         if needed <= 0:
             return True
-        if not (self._reserve(needed) if evict else needed <= self.pool.num_free):
+        if not (self.reserve(needed) if evict else needed <= self.pool.num_free):
             return False
         seq.block_table += self.pool.allocate(needed, seq.block_table[-1] if seq.block_table else None)
         return True
@@ -119,10 +134,10 @@ class BlockManager:
         for j in range(len(c.nodes), n_full):
             end = (j + 1) * self.bs
             ttl, label = c.policy.ttl(end)
-            scope = self._scope(seq, end)
+            scope = self.scope_at(seq, end)
             node, created = self.cache.insert(c.nodes[-1] if j else None, c.keys[j], scope.key,
                                               tuple(seq.tokens[j * self.bs:end]), seq.block_table[j], ttl,
-                                              seq.priority, _owner(scope))
+                                              seq.priority, scope.owner)
             if node is None:
                 return
             if node.block != seq.block_table[j]:  # someone published the same block first: share theirs
@@ -145,7 +160,21 @@ class BlockManager:
 
     def purge_tenant(self, tenant: str, labels: tuple[str, ...]) -> int:
         """Purge every scope of a tenant and label set, whatever its salt or other fields."""
-        return self.cache.purge_owner(_owner(CacheScope(tenant=tenant, labels=labels)))
+        owner = CacheScope(tenant=tenant, labels=labels).owner
+        if self.tiering:
+            self.tiering.purge(owner)
+        return self.cache.purge_owner(owner)
+
+    def clear(self) -> int:
+        """Drop every unreferenced entry, in every tier; returns blocks freed in L1."""
+        if self.tiering:
+            self.tiering.purge(None)
+        return self.cache.clear()
+
+    def pin(self, nodes: list, pinned: bool) -> None:
+        self.cache.pin(nodes, pinned)
+        if self.tiering:
+            self.tiering.pin(nodes, pinned)
 
     # ---- state --------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -196,12 +225,12 @@ class BlockManager:
         end = (len(m.nodes) + 1) * self.bs
         return end <= len(seq.tokens) and self.cache.holds(seq.tokens[:end])
 
-    def _reserve(self, n: int) -> bool:
+    def reserve(self, n: int) -> bool:
         if n > self.pool.num_free:
             self.cache.evict(n - self.pool.num_free)
         return n <= self.pool.num_free
 
-    def _scope(self, seq: Sequence, end: int) -> CacheScope:
+    def scope_at(self, seq: Sequence, end: int) -> CacheScope:
         """A block or partial ending at token `end` is shared only if it lies inside a declared shared prefix."""
         return seq.scope.shared if end <= seq.cache.shared_len else seq.scope
 
@@ -209,29 +238,29 @@ class BlockManager:
         c = seq.cache
         j = p // self.bs
         tokens = tuple(seq.tokens[j * self.bs:p])
-        scope = self._scope(seq, p)
+        scope = self.scope_at(seq, p)
         parent = c.nodes[j - 1] if j else None
         key = block_key(parent.key if parent else b"", scope.key, np.asarray(tokens, dtype=np.int32).tobytes())
         existing = self.cache.get(key)
         ttl, label = c.policy.ttl(p)
         if existing is None:
-            if not self._reserve(1):
+            if not self.reserve(1):
                 return
             block = self.pool.allocate(1)[0]
             self.pool.copy(seq.block_table[j], block, len(tokens))
-            node, created = self.cache.insert(parent, key, scope.key, tokens, block, ttl, seq.priority, _owner(scope))
+            node, created = self.cache.insert(parent, key, scope.key, tokens, block, ttl, seq.priority, scope.owner)
             self.pool.unref(block)  # the cache now holds the only reference
             if created:
                 self._count_write(seq, j * self.bs, p, label)
         else:
-            self.cache.insert(parent, key, scope.key, tokens, existing.block, ttl, seq.priority, _owner(scope))
+            self.cache.insert(parent, key, scope.key, tokens, existing.block, ttl, seq.priority, scope.owner)
 
     def _extend_keys(self, seq: Sequence, n_full: int) -> None:
         keys = seq.cache.keys
         if len(keys) >= n_full:
             return
         start = len(keys)
-        scopes = [self._scope(seq, (j + 1) * self.bs).key for j in range(start, n_full)]
+        scopes = [self.scope_at(seq, (j + 1) * self.bs).key for j in range(start, n_full)]
         keys += chain_keys(seq.tokens[start * self.bs:n_full * self.bs], scopes, self.bs, keys[-1] if keys else b"")
 
     def _count_write(self, seq: Sequence, start: int, end: int, label: str) -> None:
@@ -244,7 +273,3 @@ class BlockManager:
             c.write[label] = c.write.get(label, 0) + n
             c.write_counted = begin + n
 
-
-def _owner(scope: CacheScope) -> tuple[str, tuple[str, ...]]:
-    """Whose entries a scope's are, for purges: its tenant and labels, whatever the salt or other fields."""
-    return scope.tenant, scope.labels

@@ -1,5 +1,7 @@
 """The engine: one owner of all mutable state (pool, cache, queues). Callers add requests and call step()."""
 import dataclasses
+import os
+import socket
 import statistics
 import time
 from collections import deque
@@ -7,9 +9,13 @@ from functools import cached_property
 
 import torch
 
+from prefixcache.cache.disk import DiskTier
+from prefixcache.cache.events import KVEvents
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.pool import KVPool
+from prefixcache.cache.remote import RedisTier
 from prefixcache.cache.scope import CacheScope
+from prefixcache.cache.tiers import Tiers
 from prefixcache.config import Config
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.detokenizer import Detokenizer
@@ -51,6 +57,9 @@ class Engine:
                            getattr(torch, config.kv_dtype), run=config.attn_tile // config.block_size)
         self.blocks = BlockManager(self.pool, config.enable_prefix_cache, config.min_cache_tokens,
                                     config.default_ttl, config.shared_prefixes, config.log_cross_scope_misses)
+        self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"  # its name in KV events
+        if config.disk_cache or config.redis_url:
+            self.blocks.attach(self._tiers(c))
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps)
         model = Llama(weights, config.attn_tile)
         self.exactness = model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs)
@@ -179,12 +188,32 @@ class Engine:
         seq = Sequence(prompt, SamplingParams(), self.scope(scope))
         self.blocks.prepare(seq)
         nodes = self.blocks.match(seq, limit=len(prompt)).nodes
-        self.blocks.cache.pin(nodes, pinned)
+        self.blocks.pin(nodes, pinned)
         return len(nodes) * self.config.block_size
+
+    def prefix_keys(self, prompt: list[int], scope: CacheScope | None = None) -> list[str]:
+        """The cache keys (hex) of a prompt's full blocks under a scope, as its request would look them up (for a
+        router). It reads no mutable state, so any thread may call it."""
+        seq = Sequence(prompt, SamplingParams(), self.scope(scope))
+        self.blocks.prepare(seq)
+        return [k.hex() for k in seq.cache.keys]
 
     def clear_cache(self) -> int:
         self.drafter.tables.clear()
-        return self.blocks.cache.clear()
+        return self.blocks.clear()
+
+    def close(self) -> None:
+        """Finish the tiers' queued writes and stop their threads."""
+        if self.blocks.tiering:
+            self.blocks.tiering.tiers.close()
+
+    def _tiers(self, c) -> Tiers:
+        cfg = self.config
+        disk = DiskTier(cfg.disk_cache, int(cfg.disk_cache_gb * 2**30)) if cfg.disk_cache else None
+        remote = RedisTier(cfg.redis_url, cfg.redis_ttl) if cfg.redis_url else None
+        events = KVEvents(cfg.redis_url, self.replica_id) if cfg.redis_url else None
+        shape = (c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim)
+        return Tiers(shape, getattr(torch, cfg.kv_dtype), disk, remote, events)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -199,7 +228,7 @@ class Engine:
             latency=end - seq.arrival if end else None, index=seq.index, cumulative_logprob=seq.cumulative_logprob,
             logprobs=seq.logprobs and list(seq.logprobs),
             prompt_logprobs=seq.prompt_logprobs and list(seq.prompt_logprobs),
-            accepted_draft_tokens=seq.accepted_draft_tokens,
+            accepted_draft_tokens=seq.accepted_draft_tokens, cached_by_tier=c.by_tier(),
         )
 
     def stats(self) -> dict:
@@ -212,6 +241,7 @@ class Engine:
         s["preemptions"] = self.scheduler.num_preemptions
         s["prompt_tokens_computed"] = self.prompt_tokens_computed
         s.update({f"spec_{k}": v for k, v in self.spec.items()})
+        s["tiers"] = self.blocks.tiering.tiers.stats() if self.blocks.tiering else None
         return s
 
     def _fork(self, seq: Sequence) -> list[Sequence]:

@@ -17,6 +17,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.blocks.prepare(seq)
+        self.blocks.prefetch(seq)
         self.waiting.append(seq)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
@@ -70,6 +71,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = Status.WAITING
         self.blocks.prepare(seq)
+        self.blocks.prefetch(seq)
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -87,10 +89,13 @@ class Scheduler:
     def _admission_order(self) -> list[tuple[Sequence, object]]:
         """(request, its cache match): a request passed over `fairness_steps` times first; then round-robin over
         tenants (a request's turn: its tenant's running sequences plus the tenant's requests waiting ahead of it),
-        so one tenant's flood of requests cannot starve another's; then the longest cached prefix, then arrival."""
+        so one tenant's flood of requests cannot starve another's; then the longest cached prefix, then arrival.
+        A request whose lookup in the KV tiers below memory still runs waits for it, without taking a turn."""
         turn = Counter(seq.scope.tenant for seq in self.running)
         order = []
         for seq in sorted(self.waiting, key=lambda s: s.arrival):
+            if not self.blocks.ready(seq):
+                continue
             order.append((seq, self.blocks.match(seq), turn[seq.scope.tenant]))
             turn[seq.scope.tenant] += 1
         order.sort(key=lambda p: (p[0].skipped < self.fairness_steps, p[2], -len(p[1]), p[0].arrival))

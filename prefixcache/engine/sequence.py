@@ -1,5 +1,6 @@
 """A request's state as it moves through the engine, and the parameters and output a caller sees."""
 import itertools
+from concurrent.futures import Future
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -106,6 +107,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None for the first)
     accepted_draft_tokens: int = 0  # output tokens that came from verified speculative drafts
+    cached_by_tier: dict[str, int] = field(default_factory=dict)  # cached_tokens by tier: L1, L2, L3
 
 
 def best(outputs: list[RequestOutput], n: int) -> list[RequestOutput]:
@@ -131,6 +133,15 @@ class CacheState:
     scope_kind: str = "none"
     miss_cause: str = "cold"
     cross_scope_miss: bool = False  # another scope holds the block where the match stopped (operator log only)
+    fetch: Future | None = None  # a lookup in the KV tiers below host memory, while it runs
+    fetch_from: int = 0  # the first block it looks up
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens loaded from "L2" / "L3"
+
+    def by_tier(self) -> dict[str, int]:
+        """Cached prompt tokens by the tier they came from: L1 (host memory), L2 (disk), L3 (Redis)."""
+        cached = self.num_cached or 0
+        loaded = {t: min(n, cached) for t, n in sorted(self.tier_tokens.items())}
+        return {"L1": max(0, cached - sum(loaded.values())), **loaded}
 
 
 class Status(Enum):

@@ -136,7 +136,7 @@ def usage(gen: Generation) -> dict:
     w5, w1 = w.get("5m", 0), w.get("1h", 0)
     read = gen.cached_tokens
     return {"input_tokens": gen.prompt_tokens - read - w5 - w1, "cache_creation_input_tokens": w5 + w1,
-            "cache_read_input_tokens": read,
+            "cache_read_input_tokens": read, "cache_read_input_tokens_by_tier": gen.report.cached_by_tier,
             "cache_creation": {"ephemeral_5m_input_tokens": w5, "ephemeral_1h_input_tokens": w1},
             "output_tokens": len(gen.output.token_ids) if gen.output else 1}
 

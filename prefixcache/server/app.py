@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from prefixcache.cache.policy import Breakpoint
-from prefixcache.cache.scope import CacheScope
 from prefixcache.config import Config
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.sequence import SamplingParams
@@ -104,7 +103,7 @@ class Server:
         if wait := self.limits.admit(principal.tenant, principal.rpm, principal.tpm, len(prompt)):
             raise ApiError(429, f"rate limit of tenant {principal.tenant!r} reached; retry in {wait} s",
                            code="rate_limit_exceeded", retry_after=wait)
-        scope = CacheScope(tenant=principal.tenant, labels=principal.labels, salt=salt)
+        scope = principal.scope(salt)
         gen = Generation(self, self.worker.submit(prompt, params, scope, list(breakpoints)), api, principal.tenant,
                          params, where)
         await gen.start(request)
@@ -147,7 +146,7 @@ class BodyLimit:
 
 
 def create_app(cfg: ServeConfig) -> FastAPI:
-    from prefixcache.server import anthropic, openai, tokens
+    from prefixcache.server import anthropic, cache_keys, openai, tokens
 
     server = Server(cfg, EngineWorker(lambda: load_engine(cfg)))
 
@@ -166,6 +165,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     app.include_router(tokens.router)
+    app.include_router(cache_keys.router)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, e: RequestValidationError):
@@ -184,9 +184,15 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        pool = server.engine.pool
-        return {"status": "ok", "model": server.model_name, "kv_bytes_per_token": pool.block_bytes // pool.block_size,
-                "exactness": server.engine.exactness.summary()}
+        """"degraded" when a KV tier is unreachable (requests still succeed: they recompute). The queue lengths
+        are read without the engine thread, so a router's health check never waits for a step."""
+        engine = server.engine
+        pool = engine.pool
+        tiers = engine.blocks.tiering.tiers.health() if engine.blocks.tiering else {}
+        ok = all(t["status"] == "ok" for t in tiers.values())
+        return {"status": "ok" if ok else "degraded", "model": server.model_name, "replica_id": engine.replica_id,
+                "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting), "tiers": tiers,
+                "kv_bytes_per_token": pool.block_bytes // pool.block_size, "exactness": engine.exactness.summary()}
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from prefixcache.cache.scope import CacheScope
 from prefixcache.server.errors import ApiError
 
 
@@ -23,6 +24,10 @@ class Principal:
     admin: bool = False
     rpm: float | None = None  # requests per minute; None: no limit
     tpm: float | None = None  # prompt tokens per minute; None: no limit
+
+    def scope(self, salt: str = "") -> CacheScope:
+        """The cache scope of this caller's requests: its tenant and labels, narrowed by the client's salt."""
+        return CacheScope(tenant=self.tenant, labels=self.labels, salt=salt)
 
 
 LOCAL = Principal("local", admin=True)

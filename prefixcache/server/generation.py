@@ -97,8 +97,9 @@ class Generation:
     def header(self) -> dict[str, str]:
         r = self.report
         at = f"; {self.miss_at}" if self.miss_at else ""
+        tiers = ",".join(f"{t}:{n}" for t, n in r.cached_by_tier.items())
         return {"x-prefix-cache": f"cached={r.cached_tokens}; prompt={r.prompt_tokens}; scope={r.scope_kind}; "
-                                  f"miss={r.miss_cause}{at}"}
+                                  f"tiers={tiers}; miss={r.miss_cause}{at}"}
 
     async def deltas(self):
         """New output text of each sample, held back while it may be the start of a stop string or an incomplete
@@ -145,7 +146,8 @@ class Generation:
         line = {
             "api": self.api, "tenant": self.tenant, "status": status,
             "finish_reason": out.finish_reason if out else "abort", "prompt_tokens": r.prompt_tokens,
-            "cached_tokens": r.cached_tokens, "completion_tokens": self.completion_tokens,
+            "cached_tokens": r.cached_tokens, "cached_by_tier": r.cached_by_tier,
+            "completion_tokens": self.completion_tokens,
             "cache_write_tokens": self.cache_write, "scope": r.scope_kind, "miss": r.miss_cause,
             "miss_at": self.miss_at, "accepted_draft_tokens": self.accepted_draft_tokens,
             "ttft": round(out.ttft, 4) if out and out.ttft else None,

@@ -41,6 +41,7 @@ class EngineCollector:
             c = CounterMetricFamily(f"prefixcache:spec_decode_num_{name}", doc, labels=["model_name"])
             c.add_metric(labels, s[f"spec_{name}"])
             yield c
+        yield from _tiers(s.get("tiers"), labels)
         for name, doc, value in (("kv_cache_usage_perc", "Fraction of KV blocks in use (live or cached)",
                                   s["occupancy_perc"] / 100),
                                  ("num_requests_waiting", "Requests waiting for admission", s["waiting"]),
@@ -48,6 +49,41 @@ class EngineCollector:
             g = GaugeMetricFamily(f"prefixcache:{name}", doc, labels=["model_name"])
             g.add_metric(labels, value)
             yield g
+
+
+def _tiers(t: dict | None, labels: list[str]):
+    """The KV tiers below host memory (L2 disk, L3 Redis) and the KV event stream, if configured."""
+    if not t:
+        return
+    c = t["counts"]
+    tiers = sorted(t["health"])
+    specs = (("kv_tier_lookups", "Blocks looked up in a KV tier, by result (bad: corrupt or mismatched, deleted "
+              "and recomputed)", "result", {"hit": "hits", "miss": "misses", "bad": "bad"}),
+             ("kv_tier_writes", "Blocks written to a KV tier, by result (dropped: the write queue was full)", "result",
+              {"ok": "writes", "error": "write_errors", "dropped": "writes_dropped"}),
+             ("kv_tier_bytes", "Bytes moved to and from a KV tier", "direction",
+              {"read": "bytes_read", "written": "bytes_written"}))
+    for name, doc, label, parts in specs:
+        m = CounterMetricFamily(f"prefixcache:{name}", doc, labels=["model_name", "tier", label])
+        for tier in tiers:
+            for value, key in parts.items():
+                m.add_metric(labels + [tier, value], c.get(f"{tier}_{key}", 0))
+        yield m
+    m = CounterMetricFamily("prefixcache:kv_tier_read_seconds", "Time spent reading a KV tier (L3: round trips)",
+                            labels=["model_name", "tier"])
+    up = GaugeMetricFamily("prefixcache:kv_tier_up", "1 if a KV tier is reachable (0: its circuit breaker is open)",
+                           labels=["model_name", "tier"])
+    for tier in tiers:
+        m.add_metric(labels + [tier], c.get(f"{tier}_read_seconds", 0.0))
+        up.add_metric(labels + [tier], float(t["health"][tier]["status"] == "ok"))
+    yield m
+    yield up
+    if "events" in t:
+        ev = CounterMetricFamily("prefixcache:kv_events", "KV event batches published, by result",
+                                 labels=["model_name", "result"])
+        for result, n in t["events"].items():
+            ev.add_metric(labels + [result], n)
+        yield ev
 
 
 class Metrics:

@@ -247,7 +247,8 @@ def usage(gen: Generation) -> dict:
     completion = gen.completion_tokens
     return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion,
             "total_tokens": gen.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens,
+                                      "cached_tokens_by_tier": gen.report.cached_by_tier},
             "completion_tokens_details": {"accepted_prediction_tokens": gen.accepted_draft_tokens}}
 
 

@@ -33,12 +33,13 @@ class Report:
     miss_cause: str
     cross_scope_miss: bool
     accepted_draft_tokens: int  # output tokens from verified speculative drafts
+    cached_by_tier: dict[str, int]  # cached_tokens by the tier they came from: L1, L2, L3
 
     @classmethod
     def of(cls, seq: Sequence) -> "Report":
         c = seq.cache
         return cls(seq.num_prompt, len(seq.output_ids), c.num_cached or 0, dict(c.write), c.scope_kind, c.miss_cause,
-                   c.cross_scope_miss, seq.accepted_draft_tokens)
+                   c.cross_scope_miss, seq.accepted_draft_tokens, c.by_tier())
 
 
 @dataclass
@@ -147,17 +148,20 @@ class EngineWorker:
             built.put(e)
             return
         built.put(self.engine)
+        touched = []
         while True:
-            block = not self.engine.has_unfinished()
+            # idle: sleep until work arrives; only requests waiting for a KV tier lookup: poll gently
+            timeout = None if not self.engine.has_unfinished() else 0.002 if not touched else 0
             while True:
                 try:
-                    op = self.inbox.get(block=block)
+                    op = self.inbox.get(block=timeout != 0, timeout=timeout)
                 except queue.Empty:
                     break
                 if op is None:
+                    self.engine.close()
                     return
                 op()
-                block = False
+                timeout = 0
             try:
                 touched = self.engine.step()
             except Exception as e:  # an engine bug: fail the requests of that step (all, if unknown), keep serving

@@ -1,0 +1,117 @@
+"""L3: KV blocks in Redis, shared by every replica, behind a circuit breaker.
+
+Key: prefixcache:kv:<owner hex>:<block key hex>, so a tenant's purge is a SCAN of its own prefix. Every entry
+expires (its TTL, else `ttl` seconds) unless pinned; run Redis with `--maxmemory-policy volatile-lru` so that it
+evicts the least recently used expiring entries and never a pinned one.
+
+Every call has a socket timeout. After `failures` errors in a row the breaker opens: calls are skipped (a miss,
+a dropped write) for `cooldown` seconds, then one call tries again. Callers see misses, never exceptions.
+"""
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+PREFIX = "prefixcache:kv:"
+
+
+@dataclass
+class Breaker:
+    failures: int = 3  # errors in a row that open it
+    cooldown: float = 5.0  # seconds before one call tries again
+    errors: int = 0  # since start
+    in_a_row: int = 0
+    open_until: float = 0.0
+    skipped: int = 0  # calls not made while open
+
+    def allow(self) -> bool:
+        if time.monotonic() < self.open_until:
+            self.skipped += 1
+            return False
+        return True
+
+    def success(self) -> None:
+        self.in_a_row, self.open_until = 0, 0.0
+
+    def failure(self) -> None:
+        self.errors += 1
+        self.in_a_row += 1
+        if self.in_a_row >= self.failures:
+            self.open_until = time.monotonic() + self.cooldown
+
+    @property
+    def is_open(self) -> bool:
+        return time.monotonic() < self.open_until
+
+
+@dataclass
+class RedisTier:
+    url: str
+    ttl: float = 3600.0  # expiry of entries that have no TTL of their own
+    timeout: float = 0.5  # seconds, per call
+    breaker: Breaker = field(default_factory=Breaker)
+    name = "L3"
+
+    def __post_init__(self):
+        self.client = redis.Redis.from_url(self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout)
+
+    def get_many(self, blocks: list[tuple[str, str]]) -> list[bytes | None]:
+        """One round trip (MGET) for a run of (owner, key) blocks; all misses if Redis is unreachable."""
+        if not blocks:
+            return []
+        return self._call(lambda c: c.mget([_name(o, k) for o, k in blocks])) or [None] * len(blocks)
+
+    def put(self, owner: str, key: str, data: bytes, ttl: float | None) -> bool:
+        seconds = max(1, round(ttl if ttl is not None else self.ttl))
+        return self._call(lambda c: c.set(_name(owner, key), data, ex=seconds)) is not None
+
+    def persist(self, owner: str, keys: list[str], pinned: bool) -> None:
+        """Pinned entries never expire; unpinned ones expire again after `ttl`."""
+        def run(c):
+            pipe = c.pipeline(transaction=False)
+            for k in keys:
+                if pinned:
+                    pipe.persist(_name(owner, k))
+                else:
+                    pipe.expire(_name(owner, k), round(self.ttl))
+            return pipe.execute()
+        self._call(run)
+
+    def delete(self, owner: str, keys: list[str]) -> None:
+        if keys:
+            self._call(lambda c: c.unlink(*[_name(owner, k) for k in keys]))
+
+    def purge(self, owner: str | None) -> int:
+        """Delete one owner's entries (None: every entry); returns how many."""
+        def run(c):
+            n = 0
+            for batch in _batches(c.scan_iter(match=f"{PREFIX}{owner or '*'}:*", count=1000), 1000):
+                n += c.unlink(*batch)
+            return n
+        return self._call(run) or 0
+
+    def _call(self, fn):
+        if not self.breaker.allow():
+            return None
+        try:
+            result = fn(self.client)
+        except (redis.RedisError, OSError):
+            self.breaker.failure()
+            return None
+        self.breaker.success()
+        return result
+
+
+def _name(owner: str, key: str) -> str:
+    return f"{PREFIX}{owner}:{key}"
+
+
+def _batches(items, n: int):
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -1,0 +1,226 @@
+"""The KV tiers below host memory (L2 disk, L3 Redis) as the engine sees them, and the KV events.
+
+The engine thread never waits here on a disk or the network: it hands copies of blocks to a writer thread through
+a bounded queue (a full queue drops the write and counts it), and lookups run on a reader thread and come back as
+futures, which the scheduler polls.
+
+- A full block published to L1 is written through to L3 (so other replicas can load it) and announced.
+- A full block evicted from L1 for room spills to L2.
+- A lookup continues a request's chain past its L1 match: L2 block by block, then L3 in windows of MGETs, stopping
+  at the first miss. Every block is decoded and checked (record.py); a bad one is deleted from its tier, counted,
+  and ends the lookup, so it is recomputed and never served.
+
+A block is filed under its owner (tenant and labels, hashed) and its chain key, which already holds the whole
+scope; so a purge reaches a tenant's blocks in every tier, and a request can only ever ask for keys of its scope.
+"""
+import queue
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from prefixcache.cache.disk import DiskTier
+from prefixcache.cache.events import KVEvents
+from prefixcache.cache.record import BadRecord, Record, decode, encode
+from prefixcache.cache.remote import RedisTier
+
+WINDOW = 32  # blocks per L3 round trip
+QUEUE = 256  # writes waiting for the writer thread
+
+
+@dataclass(frozen=True)
+class Wanted:
+    owner: str
+    key: str
+    tokens: tuple[int, ...]
+
+
+@dataclass
+class Found:
+    tier: str  # "L2" | "L3"
+    record: Record
+
+
+def owner_id(owner) -> str:
+    """A stable file and key name for an owner (tenant, labels): a hash, so no tenant name reaches a path."""
+    return xxhash.xxh3_64_hexdigest(repr(owner).encode())
+
+
+class Tiers:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, disk: DiskTier | None = None,
+                 remote: RedisTier | None = None, events: KVEvents | None = None):
+        self.shape, self.dtype = shape, dtype
+        self.disk, self.remote, self.events = disk, remote, events
+        self.disk_lock = threading.Lock()  # the writer and the reader both use the disk
+        self.counts: Counter[str] = Counter()  # "<tier>_<what>": hits, misses, bad, bytes_read, read_seconds...
+        self.counts_lock = threading.Lock()  # three threads count
+        self.jobs: queue.Queue = queue.Queue(QUEUE)
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-read")
+        self.writer = threading.Thread(target=self._write_loop, name="kv-tier-write", daemon=True)
+        self.writer.start()
+        if events and disk:
+            events.add("stored", "L2", disk.keys())
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.disk or self.remote)
+
+    # ---- engine thread ------------------------------------------------------------------------------------
+    def stored(self, owner: str, key: str, record: Record | None, ttl: float | None) -> None:
+        """A full block entered L1. `record` is its copy for L3 (None: no L3)."""
+        if self.events:
+            self.events.add("stored", "L1", [key])
+        if record is not None and self.remote:
+            self._queue(("L3", owner, key, record, ttl))
+
+    def removed(self, owner: str, key: str, spill: Record | None, ttl: float | None) -> None:
+        """A full block left L1; `spill` is its copy for L2 if it was evicted for room."""
+        if self.events:
+            self.events.add("removed", "L1", [key])
+        if spill is not None and self.disk:
+            self._queue(("L2", owner, key, spill, ttl))
+
+    def fetch(self, wanted: list[Wanted]) -> Future:
+        """Look up the blocks of a chain, in order; the future gives the Found ones up to the first miss."""
+        return self.reader.submit(self._fetch, wanted)
+
+    def purge(self, owner: str | None) -> None:
+        """Drop one owner's blocks from every tier (None: everyone's), after the writes queued before it."""
+        self.jobs.put(("purge", owner))
+
+    def pin(self, owner: str, keys: list[str], pinned: bool) -> None:
+        if self.remote:
+            self.jobs.put(("pin", owner, keys, pinned))
+
+    def wants_copy(self) -> bool:
+        """Whether stored() needs a copy of the block (copying 700 KB for nothing is not free)."""
+        return self.remote is not None
+
+    # ---- state --------------------------------------------------------------------------------------------
+    def health(self) -> dict:
+        out = {}
+        if self.disk:
+            out["L2"] = {"status": "ok", "blocks": len(self.disk.entries), "bytes": self.disk.bytes,
+                         "budget_bytes": self.disk.budget, "disk_full": self.disk.full}
+        if self.remote:
+            b = self.remote.breaker
+            out["L3"] = {"status": "degraded" if b.is_open else "ok", "errors": b.errors, "skipped": b.skipped}
+        return out
+
+    def stats(self) -> dict:
+        s = {"counts": dict(self.counts), "health": self.health()}
+        if self.events:
+            s["events"] = {"sent": self.events.sent, "dropped": self.events.dropped}
+        return s
+
+    def drain(self) -> None:
+        """Wait until every write and purge queued so far is done."""
+        self.jobs.join()
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.writer.join()
+        self.reader.shutdown()
+        if self.events:
+            self.events.close()
+
+    # ---- reader thread ------------------------------------------------------------------------------------
+    def _fetch(self, wanted: list[Wanted]) -> list[Found]:
+        found: list[Found] = []
+        if self.disk:
+            for w in wanted:
+                with self.disk_lock:
+                    t = time.perf_counter()
+                    data = self.disk.get(w.owner, w.key)
+                record = self._check("L2", w, data, t)
+                if record is None:
+                    break
+                found.append(Found("L2", record))
+        if self.remote:
+            rest = wanted[len(found):]
+            for i in range(0, len(rest), WINDOW):
+                window = rest[i:i + WINDOW]
+                t = time.perf_counter()
+                values = self.remote.get_many([(w.owner, w.key) for w in window])
+                for w, data in zip(window, values):
+                    record = self._check("L3", w, data, t)
+                    t = None  # the round trip is timed once
+                    if record is None:
+                        return found
+                    found.append(Found("L3", record))
+        return found
+
+    def _check(self, tier: str, w: Wanted, data: bytes | None, started: float | None) -> Record | None:
+        if started is not None:
+            self._count(tier, "read_seconds", time.perf_counter() - started)
+        if data is None:
+            self._count(tier, "misses")
+            return None
+        self._count(tier, "bytes_read", len(data))
+        try:
+            record = decode(data, w.tokens, self.shape, self.dtype)
+        except BadRecord:
+            self._count(tier, "bad")
+            if tier == "L2":
+                with self.disk_lock:
+                    self.disk.delete(w.key)
+                self._announce("removed", "L2", [w.key])
+            else:
+                self.remote.delete(w.owner, [w.key])
+            return None
+        self._count(tier, "hits")
+        return record
+
+    # ---- writer thread ------------------------------------------------------------------------------------
+    def _queue(self, job: tuple) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            self._count(job[0], "writes_dropped")
+
+    def _write_loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            kind, *args = job
+            if kind == "purge":
+                self._purge(*args)
+            elif kind == "pin":
+                self.remote.persist(*args)
+            else:
+                self._write(kind, *args)
+            self.jobs.task_done()
+
+    def _write(self, tier: str, owner: str, key: str, record: Record, ttl: float | None) -> None:
+        data = encode(record)
+        if tier == "L3":
+            ok = self.remote.put(owner, key, data, ttl)
+        else:
+            with self.disk_lock:
+                full = self.disk.full
+                evicted = self.disk.put(owner, key, data, ttl)
+                ok = self.disk.full == full
+            self._announce("removed", "L2", evicted)
+            if ok:
+                self._announce("stored", "L2", [key])
+        self._count(tier, "writes" if ok else "write_errors")
+        if ok:
+            self._count(tier, "bytes_written", len(data))
+
+    def _purge(self, owner: str | None) -> None:
+        if self.disk:
+            with self.disk_lock:
+                gone = self.disk.clear() if owner is None else self.disk.purge(owner)
+            self._announce("removed", "L2", gone)
+        if self.remote:
+            self.remote.purge(owner)
+
+    def _count(self, tier: str, what: str, n: float = 1) -> None:
+        with self.counts_lock:
+            self.counts[f"{tier}_{what}"] += n
+
+    def _announce(self, kind: str, tier: str, keys: list[str]) -> None:
+        if self.events and keys:
+            self.events.add(kind, tier, keys)

@@ -1,0 +1,111 @@
+"""Tiering: the prefix cache's link to the KV tiers below host memory (cache/tiers.py), on the engine thread.
+
+It listens to the cache (a full block stored: announce it and write it through to L3; evicted for room: spill it to
+L2), starts a lookup of the blocks past a waiting request's L1 match, and once that lookup is done loads the blocks
+it found into the pool and the cache, where the request's admission then matches them like any other entry. Loaded
+blocks are the bytes another step computed for exactly these tokens under exactly this scope (the checksum, tokens,
+shape and dtype are checked), so a request served from a tier gets the output of the request computed cold.
+"""
+from typing import TYPE_CHECKING
+
+from prefixcache.cache.radix import Node
+from prefixcache.cache.record import Record
+from prefixcache.cache.tiers import Tiers, Wanted, owner_id
+from prefixcache.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from prefixcache.engine.blocks import BlockManager
+
+
+class Tiering:
+    def __init__(self, blocks: "BlockManager", tiers: Tiers):
+        assert blocks.cache.enabled, "KV tiers need the prefix cache"
+        self.blocks, self.tiers = blocks, tiers
+        self.pool, self.cache, self.bs = blocks.pool, blocks.cache, blocks.bs
+        self.loading = False  # blocks being loaded are in L3 already: no write-through
+        self.cache.listener = self
+
+    # ---- cache listener -----------------------------------------------------------------------------------
+    def stored(self, node: Node) -> None:
+        copy = self._copy(node) if self.tiers.wants_copy() and not self.loading else None
+        self.tiers.stored(self._owner(node), node.key.hex(), copy, node.ttl)
+
+    def removed(self, node: Node, reason: str) -> None:
+        self.tiers.removed(self._owner(node), node.key.hex(), self._copy(node) if reason == "capacity" else None,
+                           node.ttl)
+
+    # ---- requests -----------------------------------------------------------------------------------------
+    def prefetch(self, seq: Sequence) -> None:
+        """Look up, below L1, the full blocks past the request's L1 match (not its last token's block)."""
+        c = seq.cache
+        c.fetch, c.fetch_from = None, 0
+        if not self.blocks.reads_cache(seq):
+            return
+        first = len(self.blocks.match(seq).nodes)
+        wanted = [Wanted(self._owner_of(seq, j), c.keys[j].hex(), tuple(seq.tokens[j * self.bs:(j + 1) * self.bs]))
+                  for j in range(first, (len(seq.tokens) - 1) // self.bs)]
+        if wanted:
+            c.fetch, c.fetch_from = self.tiers.fetch(wanted), first
+
+    def ready(self, seq: Sequence) -> bool:
+        """False while the request's lookup runs; once it is done, load what it found (once) and say True."""
+        c = seq.cache
+        if c.fetch is None:
+            return True
+        if not c.fetch.done():
+            return False
+        found, c.fetch = c.fetch.result(), None
+        self._load(seq, c.fetch_from, found)
+        return True
+
+    def purge(self, owner) -> None:
+        self.tiers.purge(owner_id(owner) if owner is not None else None)
+
+    def pin(self, nodes: list[Node], pinned: bool) -> None:
+        for node in nodes:
+            self.tiers.pin(self._owner(node), [node.key.hex()], pinned)
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _load(self, seq: Sequence, first: int, found: list) -> None:
+        """Put found blocks first.. into the pool and the cache, under the request's L1 match. Every node of the
+        chain is held while later blocks are allocated, so making room cannot evict the chain being built."""
+        c, held = seq.cache, []
+        parent = self.cache.get(c.keys[first - 1]) if first else None
+        if first and parent is None:  # the L1 match shrank since the lookup: its blocks are recomputed
+            return
+        if parent is not None:
+            self.pool.ref(parent.block)
+            held.append(parent)
+        for j, f in enumerate(found, start=first):
+            node = self.cache.get(c.keys[j])
+            if node is None:
+                if not self.blocks.reserve(1):
+                    break
+                block = self.pool.allocate(1)[0]
+                span = slice(block * self.bs, (block + 1) * self.bs)
+                self.pool.k[:, span] = f.record.k
+                self.pool.v[:, span] = f.record.v
+                scope = self.blocks.scope_at(seq, (j + 1) * self.bs)
+                self.loading = True
+                node, _ = self.cache.insert(parent, c.keys[j], scope.key, f.record.tokens, block,
+                                            c.policy.ttl((j + 1) * self.bs)[0], seq.priority, scope.owner)
+                self.loading = False
+                self.pool.unref(block)
+                if node is None:
+                    break
+                c.tier_tokens[f.tier] = c.tier_tokens.get(f.tier, 0) + self.bs
+            self.pool.ref(node.block)
+            held.append(node)
+            parent = node
+        for node in held:
+            self.pool.unref(node.block)
+
+    def _owner(self, node: Node) -> str:
+        return owner_id(self.cache.owner(node))
+
+    def _owner_of(self, seq: Sequence, j: int) -> str:
+        return owner_id(self.blocks.scope_at(seq, (j + 1) * self.bs).owner)
+
+    def _copy(self, node: Node) -> Record:
+        span = slice(node.block * self.bs, (node.block + 1) * self.bs)
+        return Record(node.tokens, self.pool.k[:, span].clone(), self.pool.v[:, span].clone())

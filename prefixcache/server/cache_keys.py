@@ -1,0 +1,43 @@
+"""POST /v1/cache/keys: the prefix-cache keys a request would look up, for a cache-aware router.
+
+The body names the API route and carries the request as the client sent it; the caller's own API key decides the
+tenant, exactly as on the route itself, so a router learns keys without knowing tenants or holding keys of its own.
+Keys are hashes chained from the caller's scope: they tell the caller nothing about anyone else's cache.
+"""
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import ValidationError
+
+from prefixcache.prompt import fields, render
+from prefixcache.server.anthropic import MessagesRequest, build_prompt
+from prefixcache.server.auth import Principal, client_salt, principal
+from prefixcache.server.errors import Strict, invalid
+from prefixcache.server.openai import ChatRequest, CompletionRequest, completion_prompt
+
+router = APIRouter()
+
+
+class KeysRequest(Strict):
+    path: Literal["/v1/chat/completions", "/v1/completions", "/v1/messages"]
+    body: dict
+
+
+@router.post("/v1/cache/keys")
+async def cache_keys(request: Request, req: KeysRequest, caller: Principal = Depends(principal)):
+    server = request.app.state.server
+    tokenizer = server.tokenizer
+    try:
+        if req.path == "/v1/messages":
+            msg = MessagesRequest.model_validate(req.body)
+            prompt, salt = build_prompt(tokenizer, msg)[0].token_ids, client_salt(msg.cache_salt, msg.prompt_cache_key)
+        elif req.path == "/v1/chat/completions":
+            chat = ChatRequest.model_validate(req.body)
+            prompt, salt = render(tokenizer, fields(chat.model_dump(exclude_unset=True))).token_ids, chat.salt
+        else:
+            completion = CompletionRequest.model_validate(req.body)
+            prompt, salt = completion_prompt(tokenizer, completion), completion.salt
+    except ValidationError as e:
+        raise invalid([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
+    scope = caller.scope(salt)
+    return {"block_size": server.engine.config.block_size, "keys": server.engine.prefix_keys(prompt, scope)}

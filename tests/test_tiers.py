@@ -1,0 +1,179 @@
+"""KV tiers below host memory: L2 (disk) and L3 (a real Redis, started per test). Blocks loaded from a tier give
+bit-identical logits to a cold run; damaged entries are detected, deleted and recomputed; isolation holds through
+every tier; purges reach every tier; a full disk loses nothing."""
+import itertools
+import os
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import GREEDY, generate_with_logits
+from prefixcache import LLM
+from prefixcache.cache.record import BadRecord, Record, decode, encode
+from prefixcache.cache.remote import PREFIX
+from prefixcache.cache.scope import CacheScope
+from prefixcache.cache.tiers import owner_id
+
+PROMPT = list(range(1000, 1300))  # 18 full blocks and a partial one
+SMALL_POOL = 2**20  # 128 blocks of the tiny model: a few prompts evict each other
+
+
+def llm(model, **kw) -> LLM:
+    return LLM(model, kv_cache_bytes=kw.pop("kv_cache_bytes", SMALL_POOL), **kw)
+
+
+def settle(engine) -> None:
+    """Wait until the tiers' queued writes are done (they run off the engine thread)."""
+    engine.blocks.tiering.tiers.drain()
+
+
+def flood(llm: LLM, scope: CacheScope | None = None) -> None:
+    """Prompts of 300 tokens enough to push every earlier entry out of a 128-block pool."""
+    llm.generate([list(range(5000 + 400 * i, 5300 + 400 * i)) for i in range(8)], GREEDY, scope=scope)
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_model):
+    return generate_with_logits(LLM(tiny_model, enable_prefix_cache=False), [PROMPT])
+
+
+def assert_cold(result, cold):
+    (outs, logits), (cold_outs, cold_logits) = result, cold
+    assert outs[0].token_ids == cold_outs[0].token_ids
+    assert torch.equal(logits[0], cold_logits[0])
+
+
+def test_record_detects_every_damage():
+    k, v = torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
+    tokens = tuple(range(16))
+    data = encode(Record(tokens, k, v))
+    r = decode(data, tokens, (2, 16, 2, 8), torch.float32)
+    assert torch.equal(r.k, k) and torch.equal(r.v, v)
+    flipped = bytearray(data)
+    flipped[-5] ^= 1
+    for bad, why in ((bytes(flipped), "checksum"), (data[:-100], "truncated"), (data[:4], "no header")):
+        with pytest.raises(BadRecord):
+            decode(bad, tokens, (2, 16, 2, 8), torch.float32)
+    with pytest.raises(BadRecord, match="tokens"):
+        decode(data, tuple(range(1, 17)), (2, 16, 2, 8), torch.float32)
+    with pytest.raises(BadRecord, match="shape"):
+        decode(data, tokens, (2, 16, 4, 4), torch.float32)
+
+
+def test_a_new_replica_loads_another_replicas_prefix_from_redis(tiny_model, redis_proc, cold):
+    a = llm(tiny_model, redis_url=redis_proc.url, replica_id="a")
+    a.generate([PROMPT], GREEDY)
+    settle(a.engine)
+    b = llm(tiny_model, redis_url=redis_proc.url, replica_id="b")
+    result = generate_with_logits(b, [PROMPT])
+    out = result[0][0]
+    assert out.cached_tokens == 288 and out.cached_by_tier == {"L1": 0, "L3": 288}
+    assert_cold(result, cold)
+    assert b.engine.stats()["tiers"]["counts"]["L3_hits"] == 18
+
+
+def test_evicted_blocks_spill_to_disk_and_survive_a_restart(tiny_model, tmp_path, cold):
+    a = llm(tiny_model, disk_cache=str(tmp_path))
+    a.generate([PROMPT], GREEDY)
+    flood(a)
+    settle(a.engine)
+    result = generate_with_logits(a, [PROMPT])
+    assert result[0][0].cached_by_tier.get("L2", 0) > 0
+    assert_cold(result, cold)
+    a.engine.close()
+    restarted = llm(tiny_model, disk_cache=str(tmp_path))  # an empty L1 over the same folder
+    result = generate_with_logits(restarted, [PROMPT])
+    assert result[0][0].cached_by_tier["L2"] == 288
+    assert_cold(result, cold)
+
+
+@pytest.mark.parametrize("damage", ["flipped_byte", "wrong_token", "truncated"])
+def test_a_damaged_entry_is_deleted_and_recomputed(tiny_model, redis_proc, cold, damage):
+    a = llm(tiny_model, redis_url=redis_proc.url)
+    a.generate([PROMPT], GREEDY)
+    settle(a.engine)
+    r = redis_proc.client()
+    key = a.engine.prefix_keys(PROMPT)[5]  # the sixth block: blocks 0-4 still load
+    name = f"{PREFIX}{owner_id(CacheScope().owner)}:{key}"
+    data = bytearray(r.get(name))
+    if damage == "flipped_byte":
+        data[-7] ^= 0x10
+    elif damage == "wrong_token":  # the header names token 1081 first: still valid JSON and safetensors
+        data = bytearray(data.replace(b"[1080, ", b"[1081, ", 1))
+    else:
+        data = data[:len(data) // 2]
+    r.set(name, bytes(data))
+    b = llm(tiny_model, redis_url=redis_proc.url)
+    result = generate_with_logits(b, [PROMPT])
+    assert result[0][0].cached_by_tier == {"L1": 0, "L3": 80}  # blocks 0-4; the damaged one and the rest computed
+    assert_cold(result, cold)
+    assert b.engine.stats()["tiers"]["counts"]["L3_bad"] == 1
+    assert r.get(name) != bytes(data)  # deleted (then written again, whole, by b's own computation)
+
+
+def test_a_full_disk_loses_nothing(tiny_model, tmp_path, cold):
+    a = llm(tiny_model, disk_cache=str(tmp_path))
+    folder = tmp_path / owner_id(CacheScope().owner)
+    folder.mkdir()
+    for key in a.engine.prefix_keys(PROMPT):  # every write of PROMPT's blocks hits the kernel's ENOSPC
+        os.symlink("/dev/full", folder / f"{key}.kv.tmp")
+    a.generate([PROMPT], GREEDY)
+    flood(a)
+    settle(a.engine)
+    assert a.engine.blocks.tiering.tiers.health()["L2"]["disk_full"] >= 1
+    result = generate_with_logits(a, [PROMPT])
+    assert result[0][0].cached_by_tier.get("L2", 0) == 0
+    assert_cold(result, cold)
+
+
+def test_a_tenant_purge_reaches_every_tier(tiny_model, redis_proc, tmp_path):
+    a = llm(tiny_model, redis_url=redis_proc.url, disk_cache=str(tmp_path))
+    for tenant in ("acme", "globex"):
+        a.generate([PROMPT], GREEDY, scope=CacheScope(tenant=tenant))
+        flood(a, CacheScope(tenant=tenant))
+    settle(a.engine)
+    r = redis_proc.client()
+
+    def held(tenant):
+        owner = owner_id(CacheScope(tenant=tenant).owner)
+        folder = tmp_path / owner
+        return len(list(r.scan_iter(f"{PREFIX}{owner}:*"))), len(os.listdir(folder)) if folder.exists() else 0
+
+    assert all(n > 0 for n in held("acme") + held("globex"))
+    a.engine.purge_tenant("acme")
+    settle(a.engine)
+    assert held("acme") == (0, 0)
+    assert all(n > 0 for n in held("globex"))
+
+
+UNIQUE = itertools.count(100)
+SCOPES = st.builds(CacheScope, tenant=st.sampled_from(["a", "b"]), labels=st.sampled_from([(), ("hr",), ("x", "y")]),
+                   salt=st.sampled_from(["", "s1"]))
+
+
+@pytest.fixture(scope="module")
+def tiered(tiny_model, tmp_path_factory):
+    from services import RedisProcess
+
+    proc = RedisProcess().start()
+    yield llm(tiny_model, redis_url=proc.url, disk_cache=str(tmp_path_factory.mktemp("l2")), kv_cache_bytes=2**22)
+    proc.stop()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(written=SCOPES, asked=SCOPES, n=st.integers(40, 120))
+def test_no_scope_ever_loads_another_scopes_entry(tiered, written, asked, n):
+    """A prefix written under one scope, to L3 (write-through) and to L2 (its eviction from L1), is loaded by a
+    request of another scope only if the scopes are equal: tenant, labels and salt all count."""
+    prompt = [7, next(UNIQUE)] + list(range(2000 + n, 2000 + 2 * n))  # never written by an earlier example
+    tiered.generate([prompt], GREEDY, scope=written)
+    settle(tiered.engine)
+    tiered.engine.blocks.cache.evict(10**6)  # all of L1 spills to L2
+    settle(tiered.engine)
+    out = tiered.generate([prompt], GREEDY, scope=asked)[0]
+    assert out.cached_by_tier["L1"] == 0
+    loaded = out.cached_by_tier.get("L2", 0) + out.cached_by_tier.get("L3", 0)
+    assert loaded == ((len(prompt) - 1) // 16 * 16 if written == asked else 0)
