@@ -46,6 +46,7 @@ class Config:
     disk_cache: str = ""  # L2: a folder for blocks evicted from memory
     disk_cache_gb: float = 10.0  # L2's byte budget (GiB), least recently used out first
     redis_url: str = ""  # L3, shared by replicas, and the KV event stream: redis://HOST:PORT/DB
+    redis_kv: bool = True  # keep KV blocks in Redis (L3); off: Redis carries only the KV events (for routers)
     redis_ttl: float = 3600.0  # seconds an L3 entry without a TTL of its own lives (pinned ones: for ever)
     replica_id: str = ""  # this replica's name in KV events; "" -> hostname-pid
 

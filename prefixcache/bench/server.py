@@ -1,4 +1,5 @@
-"""Servers under test: start one as a subprocess on a free loopback port, read its RSS, poll its /metrics.
+"""Servers under test: start one as a subprocess on a free loopback port, read its RSS, poll its /metrics; and
+the Redis that replicas share (also the tests' own).
 
 `LocalServer` runs `prefixcache serve` (or the HF transformers peer) so the benchmark owns the process: its
 memory is read from /proc/<pid>/status (VmHWM: peak resident set, VmRSS: current). A model load takes ~10 s,
@@ -7,6 +8,7 @@ so `Servers` keeps the last two started servers running for reuse, and each run 
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.options import default
@@ -24,6 +27,39 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class RedisProcess:
+    """A redis-server subprocess on a free port that keeps nothing on disk. stop() and start() again on the same
+    port: a test kills Redis mid-run and brings it back."""
+
+    def __init__(self):
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server not found: `apt-get install redis-server` (the README's setup section)"
+        self.binary, self.port, self.proc = binary, free_port(), None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisProcess":
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--maxmemory-policy", "volatile-lru"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = self.client()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from prefixcache.cache.events import KVEvents
 from prefixcache.cache.record import BadRecord, Record, decode, encode
 from prefixcache.cache.remote import RedisTier
 
-WINDOW = 32  # blocks per L3 round trip
+WINDOW = 8  # blocks per L3 round trip (MGET): 8 read at ~960 MB/s here, 32 at ~790
 QUEUE = 256  # writes waiting for the writer thread
 
 

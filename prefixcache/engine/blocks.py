@@ -4,6 +4,7 @@ It sits between the engine and the cache: the cache knows scope keys, tokens and
 """
 import dataclasses
 import math
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import numpy as np
 
@@ -53,6 +54,11 @@ class BlockManager:
     def ready(self, seq: Sequence) -> bool:
         """False while a lookup in the tiers below runs for this request (it waits; others go on)."""
         return self.tiering.ready(seq) if self.tiering else True
+
+    def wait_for_lookups(self, seqs, timeout: float = 0.002) -> None:
+        """Block until one of these requests' tier lookups is done, or the timeout."""
+        if self.tiering:
+            wait([s.cache.fetch for s in seqs if s.cache.fetch], timeout, FIRST_COMPLETED)
 
     def reads_cache(self, seq: Sequence) -> bool:
         """A request that wants prompt logprobs computes its whole prompt: cached positions have no logits."""

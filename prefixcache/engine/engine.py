@@ -108,7 +108,8 @@ class Engine:
         """Run one batch; returns the sequences that received a token or finished. If the batch fails, its
         sequences are aborted (their blocks freed) and StepFailed names them; the others are untouched."""
         plan = self.scheduler.schedule()
-        if not plan:
+        if not plan:  # nothing runnable: give lookups in the KV tiers a moment rather than spin
+            self.blocks.wait_for_lookups(self.scheduler.waiting)
             return []
         try:
             return self._run(plan)
@@ -210,7 +211,7 @@ class Engine:
     def _tiers(self, c) -> Tiers:
         cfg = self.config
         disk = DiskTier(cfg.disk_cache, int(cfg.disk_cache_gb * 2**30)) if cfg.disk_cache else None
-        remote = RedisTier(cfg.redis_url, cfg.redis_ttl) if cfg.redis_url else None
+        remote = RedisTier(cfg.redis_url, cfg.redis_ttl) if cfg.redis_url and cfg.redis_kv else None
         events = KVEvents(cfg.redis_url, self.replica_id) if cfg.redis_url else None
         shape = (c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim)
         return Tiers(shape, getattr(torch, cfg.kv_dtype), disk, remote, events)

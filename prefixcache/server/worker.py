@@ -148,20 +148,18 @@ class EngineWorker:
             built.put(e)
             return
         built.put(self.engine)
-        touched = []
         while True:
-            # idle: sleep until work arrives; only requests waiting for a KV tier lookup: poll gently
-            timeout = None if not self.engine.has_unfinished() else 0.002 if not touched else 0
+            block = not self.engine.has_unfinished()
             while True:
                 try:
-                    op = self.inbox.get(block=timeout != 0, timeout=timeout)
+                    op = self.inbox.get(block=block)
                 except queue.Empty:
                     break
                 if op is None:
                     self.engine.close()
                     return
                 op()
-                timeout = 0
+                block = False
             try:
                 touched = self.engine.step()
             except Exception as e:  # an engine bug: fail the requests of that step (all, if unknown), keep serving
