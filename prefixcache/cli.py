@@ -1,4 +1,4 @@
-"""prefixcache command line: generate | convert | serve | bench | lint | diff | doctor."""
+"""prefixcache command line: generate | convert | serve | route | bench | lint | diff | doctor."""
 import argparse
 import sys
 
@@ -49,6 +49,22 @@ def cmd_serve(args) -> None:
     signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info",
                 timeout_graceful_shutdown=cfg.grace_seconds)
+
+
+def cmd_route(args) -> None:
+    import logging
+
+    import uvicorn
+
+    from prefixcache.router.app import create_app
+    from prefixcache.router.balance import Policy
+    from prefixcache.router.config import RouterConfig
+
+    policy = Policy(args.policy, args.min_match_fraction, args.balance_abs_threshold, args.balance_rel_threshold)
+    cfg = RouterConfig(args.replica, args.host, args.port, args.redis_url, policy, args.health_interval,
+                       args.max_retries, args.max_body_bytes)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info")
 
 
 def cmd_lint(args) -> None:
@@ -103,6 +119,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish (default: 30)")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
+
+    from prefixcache.router.balance import POLICIES, Policy
+    from prefixcache.router.config import RouterConfig
+
+    p = sub.add_parser("route", help="route requests over `serve` replicas by their cached prefixes and load")
+    p.add_argument("--replica", action="append", required=True, metavar="URL",
+                   help="a replica's base URL, e.g. http://replica-1:8000 (repeat for each)")
+    p.add_argument("--host", default=RouterConfig.host, help=f"(default: {RouterConfig.host})")
+    p.add_argument("--port", type=int, default=RouterConfig.port, help=f"(default: {RouterConfig.port})")
+    p.add_argument("--redis-url", help="the Redis of the replicas' KV events, e.g. redis://redis:6379/0; "
+                   "without it, requests are routed by load alone")
+    p.add_argument("--policy", choices=POLICIES, default=Policy.kind,
+                   help=f"(default: {Policy.kind}); round-robin ignores caches and load (a baseline)")
+    p.add_argument("--min-match-fraction", type=float, default=Policy.min_match_fraction,
+                   help="follow the longest cached prefix when it covers this share of the request's blocks "
+                   f"(default: {Policy.min_match_fraction})")
+    p.add_argument("--balance-abs-threshold", type=int, default=Policy.balance_abs_threshold,
+                   help="load is uneven when the busiest replica has more than this many requests more than the "
+                   f"idlest (default: {Policy.balance_abs_threshold}) ...")
+    p.add_argument("--balance-rel-threshold", type=float, default=Policy.balance_rel_threshold,
+                   help=f"... and more than this multiple of its load (default: {Policy.balance_rel_threshold}); "
+                   "then the idlest is chosen, whatever is cached where")
+    p.add_argument("--health-interval", type=float, default=RouterConfig.health_interval,
+                   help=f"seconds between health checks of each replica (default: {RouterConfig.health_interval})")
+    p.add_argument("--max-retries", type=int, default=RouterConfig.max_retries,
+                   help="other replicas tried when one fails before any of its answer was sent on "
+                   f"(default: {RouterConfig.max_retries})")
+    p.add_argument("--max-body-bytes", type=size, default=RouterConfig.max_body_bytes,
+                   help="larger request bodies get 413 (default: 4M)")
+    p.set_defaults(func=cmd_route)
 
     p = sub.add_parser("lint", help="lint prompt templates and logged requests for prefix-cache killers")
     p.add_argument("files", nargs="*", help="request .json/.jsonl (OpenAI or Anthropic) or plain-text templates")

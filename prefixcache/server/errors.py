@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                   500: "api_error", 529: "overloaded_error"}
+                   500: "api_error", 503: "api_error", 529: "overloaded_error"}
 OPENAI_TYPES = {401: "authentication_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 500: "server_error", 503: "server_error"}
 

