@@ -29,10 +29,12 @@ redis:
 		apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; } || \
 		{ echo "make: redis-server is needed by the tests: install Redis 7 (apt-get install redis-server)"; exit 1; }
 
-bench: setup
+bench: setup redis
 	$(PY) -m prefixcache.bench.engine
 	$(PY) -m prefixcache.bench.features
 	$(PY) -m prefixcache.bench.spec
+	$(PY) -m prefixcache.bench.tiers
+	$(PY) -m prefixcache.bench.cluster
 	$(PY) -m prefixcache.cli bench --name default
 
 # the long form of the reliability tests (about 5 minutes here), and their report in bench/results/reliability.md

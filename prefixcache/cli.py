@@ -64,6 +64,7 @@ def cmd_route(args) -> None:
     cfg = RouterConfig(args.replica, args.host, args.port, args.redis_url, policy, args.health_interval,
                        args.max_retries, args.max_body_bytes)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check and forwarded request
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info")
 
 

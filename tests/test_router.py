@@ -50,6 +50,19 @@ def test_balance_policy():
     assert pick((4, 0), (1, 0), (1, 0)) == ("r1", "load")
 
 
+def test_a_routed_request_counts_as_cached_until_its_events_come():
+    """The next request with the same prefix follows the first before any event says its blocks exist; the
+    expectation lapses after expect_seconds, and a reset of the replica drops it."""
+    index = PrefixIndex("redis://unused", expect_seconds=0.2)
+    index.expect("r0", ["k0", "k1", "k2"])
+    assert index.match("r0", ["k0", "k1", "k9"]) == 2 and index.match("r1", ["k0"]) == 0
+    time.sleep(0.25)
+    assert index.match("r0", ["k0"]) == 0
+    index.expect("r0", ["k0"])
+    index.apply({"replica": "r0", "kind": "reset", "tier": "L1", "keys": ""})
+    assert index.match("r0", ["k0"]) == 0
+
+
 def test_round_robin_takes_every_replica_in_turn_whatever_is_cached():
     replicas = [Replica(f"http://r{i}", healthy=True, replica_id=f"r{i}") for i in range(3)]
     index = PrefixIndex("redis://unused")
@@ -235,6 +248,8 @@ def test_streaming_and_auth_pass_through(cluster):
     cached_before = sum(cluster.counter("prefixcache_router:cached_tokens_total", replica=r.url)
                         for r in cluster.replicas)
     oa = cluster.openai()
+    served = httpx.get(f"{cluster.replicas[0].url}/v1/models", headers={"Authorization": "Bearer sk-a"}).json()
+    assert [m.id for m in oa.models.list()] == [m["id"] for m in served["data"]]  # /v1/models passes through
     messages = [{"role": "user", "content": "Stream a short answer through the router, please."}]
     body = {"model": "default", "max_tokens": 8, "temperature": 0, "messages": messages}
     raw = oa.chat.completions.with_raw_response.create(**body)
@@ -326,7 +341,13 @@ def test_replica_killed_under_load(cluster):
     for t in threads:
         t.start()
     state = cluster.router.state(victim)
-    until(lambda: state.in_flight > 0 and router.index.blocks(victim.replica_id) > 0, 30)
+    while True:  # freeze the victim while it holds requests, so they are surely cut by the kill
+        until(lambda: state.in_flight > 0 and router.index.blocks(victim.replica_id) > 0, 30)
+        victim.proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.2)  # answers already under way arrive
+        if state.in_flight > 0:
+            break
+        victim.proc.send_signal(signal.SIGCONT)
     victim.kill()
     for t in threads:
         t.join(60)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from conftest import GREEDY, generate_with_logits
 from prefixcache import LLM
+from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.record import BadRecord, Record, decode, encode
 from prefixcache.cache.remote import PREFIX
 from prefixcache.cache.scope import CacheScope
@@ -177,3 +178,41 @@ def test_no_scope_ever_loads_another_scopes_entry(tiered, written, asked, n):
     assert out.cached_by_tier["L1"] == 0
     loaded = out.cached_by_tier.get("L2", 0) + out.cached_by_tier.get("L3", 0)
     assert loaded == ((len(prompt) - 1) // 16 * 16 if written == asked else 0)
+
+
+def test_ttls_and_pins_carry_over_to_redis(tiny_model, redis_proc):
+    """An entry's TTL becomes its Redis expiry (a 5m breakpoint: 300 s; none: --redis-ttl); a pinned entry never
+    expires there, and unpinning gives it the default expiry back."""
+    a = llm(tiny_model, redis_url=redis_proc.url, redis_ttl=1800)
+    other = list(range(3000, 3300))
+    a.generate([PROMPT], GREEDY, breakpoints=[Breakpoint(288, "5m")])
+    a.generate([other], GREEDY)
+    settle(a.engine)
+    r = redis_proc.client()
+    owner = owner_id(CacheScope().owner)
+
+    def ttls(prompt):
+        return [r.ttl(f"{PREFIX}{owner}:{k}") for k in a.engine.prefix_keys(prompt)]
+
+    assert all(290 <= t <= 300 for t in ttls(PROMPT)) and all(1790 <= t <= 1800 for t in ttls(other))
+    assert a.pin(other) == 288
+    settle(a.engine)
+    assert ttls(other) == [-1] * 18  # no expiry
+    a.pin(other, pinned=False)
+    settle(a.engine)
+    assert all(1790 <= t <= 1800 for t in ttls(other))
+
+
+def test_a_damaged_disk_block_is_deleted_and_recomputed(tiny_model, tmp_path, cold):
+    a = llm(tiny_model, disk_cache=str(tmp_path))
+    a.generate([PROMPT], GREEDY)
+    flood(a)
+    settle(a.engine)
+    path = tmp_path / owner_id(CacheScope().owner) / f"{a.engine.prefix_keys(PROMPT)[3]}.kv"
+    data = bytearray(path.read_bytes())
+    data[-11] ^= 0x01
+    path.write_bytes(bytes(data))
+    result = generate_with_logits(a, [PROMPT])
+    assert result[0][0].cached_by_tier.get("L2", 0) == 48  # blocks 0-2; the damaged one and the rest computed
+    assert_cold(result, cold)
+    assert a.engine.stats()["tiers"]["counts"]["L2_bad"] == 1 and not path.exists()

@@ -74,13 +74,14 @@ def fmt(v, digits: int) -> str:
     return f"{v:.{digits}f}" if digits else f"{v:,.0f}"
 
 
-def table(columns: dict[str, dict], ratio_to: str | None = None) -> str:
-    """A Markdown table, one column per run; with ratio_to, a `<col> / <ratio_to>` column for each other run."""
+def table(columns: dict[str, dict], ratio_to: str | None = None, rows: list[tuple[str, str, int]] = ROWS) -> str:
+    """A Markdown table of `rows` (label, key, digits), one column per run; with ratio_to, a `<col> / <ratio_to>`
+    column for each other run."""
     names = list(columns)
     others = [n for n in names if ratio_to and n != ratio_to]
     head = ["figure"] + names + [f"{n} / {ratio_to}" for n in others]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for label, key, digits in ROWS:
+    for label, key, digits in rows:
         vals = [columns[n].get(key) for n in names]
         if all(v is None for v in vals):
             continue

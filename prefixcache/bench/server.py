@@ -69,7 +69,8 @@ class ServerOptions:
     min_cache_tokens: int = default("min_cache_tokens")
     max_num_seqs: int = default("max_num_seqs")
     speculative: str = default("speculative")
-    kind: str = "prefixcache"  # or "hf": the HF transformers generate() peer
+    kind: str = "prefixcache"  # or "hf": the HF transformers generate() peer; "router": `prefixcache route`
+    extra: tuple[str, ...] = ()  # further command-line flags
 
 
 ADMIN_KEY = "sk-bench-admin"
@@ -89,9 +90,11 @@ class LocalServer:
         o = self.opts
         if o.kind == "hf":
             return [sys.executable, "-m", "prefixcache.bench.hf_server", "--port", str(self.port)]
+        if o.kind == "router":
+            return [sys.executable, "-m", "prefixcache.cli", "route", "--port", str(self.port), *o.extra]
         cmd = [sys.executable, "-m", "prefixcache.cli", "serve", "--port", str(self.port),
                "--kv-cache-bytes", str(o.kv_cache_bytes), "--min-cache-tokens", str(o.min_cache_tokens),
-               "--max-num-seqs", str(o.max_num_seqs), "--speculative", o.speculative]
+               "--max-num-seqs", str(o.max_num_seqs), "--speculative", o.speculative, *o.extra]
         if not o.prefix_cache:
             cmd.append("--no-enable-prefix-cache")
         fd, self._keyfile = tempfile.mkstemp(suffix=".json", prefix="bench-keys-")

@@ -6,19 +6,34 @@ it found into the pool and the cache, where the request's admission then matches
 blocks are the bytes another step computed for exactly these tokens under exactly this scope (the checksum, tokens,
 shape and dtype are checked), so a request served from a tier gets the output of the request computed cold.
 """
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from prefixcache.cache.radix import Node
+from prefixcache.cache.pool import KVPool
+from prefixcache.cache.radix import Match, Node, PrefixCache
 from prefixcache.cache.record import Record
+from prefixcache.cache.scope import CacheScope
 from prefixcache.cache.tiers import Tiers, Wanted, owner_id
 from prefixcache.engine.sequence import Sequence
 
-if TYPE_CHECKING:
-    from prefixcache.engine.blocks import BlockManager
+
+class Blocks(Protocol):
+    """What Tiering uses of the BlockManager (engine/blocks.py) that owns it."""
+
+    pool: KVPool
+    cache: PrefixCache
+    bs: int
+
+    def match(self, seq: Sequence, limit: int | None = None) -> Match: ...
+
+    def reads_cache(self, seq: Sequence) -> bool: ...
+
+    def reserve(self, n: int) -> bool: ...
+
+    def scope_at(self, seq: Sequence, end: int) -> CacheScope: ...
 
 
 class Tiering:
-    def __init__(self, blocks: "BlockManager", tiers: Tiers):
+    def __init__(self, blocks: Blocks, tiers: Tiers):
         assert blocks.cache.enabled, "KV tiers need the prefix cache"
         self.blocks, self.tiers = blocks, tiers
         self.pool, self.cache, self.bs = blocks.pool, blocks.cache, blocks.bs

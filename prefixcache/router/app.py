@@ -70,18 +70,27 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         return JSONResponse({"status": "ok" if up else "unavailable", "healthy": len(up),
                              "replicas": [r.describe() for r in replicas]}, 200 if up else 503)
 
+    async def ask_replica(request: Request, path: str) -> httpx.Response:
+        """A GET of `path` on a healthy replica with the caller's key."""
+        up = router.healthy()
+        if not up:
+            raise ApiError(503, "no healthy replica", retry_after=1)
+        auth = {h: request.headers[h] for h in AUTH_HEADERS if h in request.headers}
+        try:
+            return await router.client.get(f"{up[0].url}{path}", headers=auth)
+        except httpx.HTTPError:
+            raise ApiError(503, "the replica asked did not answer", retry_after=1)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        r = await ask_replica(request, "/v1/models")
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
     @app.get("/metrics")
     async def metrics_route(request: Request):
         """Per-replica cache figures move with every tenant's requests, so the router shows them only to a key
         that a replica's own /metrics accepts (an admin key; anyone when the replicas run without keys)."""
-        up = router.healthy()
-        if not up:
-            raise ApiError(503, "no healthy replica to check the key with", retry_after=1)
-        auth = {h: request.headers[h] for h in AUTH_HEADERS if h in request.headers}
-        try:
-            r = await router.client.get(f"{up[0].url}/metrics", headers=auth)
-        except httpx.HTTPError:
-            raise ApiError(503, "the replica that checks the key did not answer", retry_after=1)
+        r = await ask_replica(request, "/metrics")
         if r.status_code != 200:
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

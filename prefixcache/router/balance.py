@@ -11,14 +11,15 @@ POLICIES = ("cache-aware", "round-robin")
 class Policy:
     kind: str = "cache-aware"  # or "round-robin": every replica in turn, whatever is cached (a baseline)
     min_match_fraction: float = 0.1  # follow a cached prefix only when it covers this share of the request's blocks
-    balance_abs_threshold: int = 4  # load is uneven when max - min exceeds this (requests) ...
+    balance_abs_threshold: int = 8  # load is uneven when max - min exceeds this (requests: half a replica's default
+    # batch, max_num_seqs 16; SGLang's default, 32, is for GPU batches) ...
     balance_rel_threshold: float = 1.5  # ... and max exceeds this multiple of min
 
 
 @dataclass(frozen=True)
 class Candidate:
     url: str
-    load: int  # the router's requests in flight there plus the replica's running and waiting
+    load: int  # requests there (Replica.load)
     match: int  # leading blocks of the request cached there
 
 

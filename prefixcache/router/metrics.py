@@ -13,8 +13,8 @@ class ReplicaCollector:
 
     def collect(self):
         gauges = [("replica_healthy", "1 while the replica is in rotation", lambda r: int(r.healthy)),
-                  ("replica_load", "The replica's load as the router counts it (in flight here, running and waiting "
-                   "there)", lambda r: r.load)]
+                  ("replica_load", "The replica's load as the router counts it (the larger of its requests in flight "
+                   "from here and its own running and waiting)", lambda r: r.load)]
         if self.index:
             gauges.append(("indexed_blocks", "Cache blocks the replica holds, from its KV events",
                            lambda r: self.index.blocks(r.replica_id)))

@@ -95,6 +95,8 @@ class Router:
                 break
             replica, match = picked
             tried.add(replica.url)
+            if self.index:
+                self.index.expect(replica.replica_id, keys)
             replica.in_flight += 1
             answer = None
             try:

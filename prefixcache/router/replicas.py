@@ -27,7 +27,9 @@ class Replica:
 
     @property
     def load(self) -> int:
-        return self.in_flight + self.running + self.waiting
+        """Requests there: the replica's own count (every router's, as of its last check) already holds this
+        router's requests sent before that check, so the two are not added."""
+        return max(self.in_flight, self.running + self.waiting)
 
     def up(self, health: dict) -> None:
         """In rotation, with the figures of a /health answer (KeyError, ValueError: they are missing)."""
