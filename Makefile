@@ -40,7 +40,8 @@ bench: setup redis
 # the long form of the reliability tests (about 5 minutes here), and their report in bench/results/reliability.md
 reliability: setup
 	PREFIXCACHE_LONG=1 PREFIXCACHE_REPORT=bench/results/reliability.json $(PY) -m pytest -q tests/test_load.py \
-		tests/test_isolation_fuzz.py tests/test_timing_isolation.py tests/test_server_errors.py
+		tests/test_isolation_fuzz.py tests/test_timing_isolation.py tests/test_server_errors.py \
+		tests/test_noisy_neighbour.py
 	$(PY) -m prefixcache.bench.reliability bench/results/reliability.json
 
 # vLLM CPU and llama-cpp-python in their own venvs under peers/ (not part of setup or CI); see peers/serve.sh

@@ -30,25 +30,19 @@ def cmd_convert(args) -> None:
 
 def cmd_serve(args) -> None:
     import logging
-    import signal
-
-    import uvicorn
 
     from prefixcache.config import Config
     from prefixcache.options import resolve
-    from prefixcache.server.app import SERVE_OPTIONS, ServeConfig, create_app
+    from prefixcache.server.app import SERVE_OPTIONS, ServeConfig
+    from prefixcache.server.serve import serve
 
-    engine, serve = resolve(args, SERVE_OPTIONS)
-    cfg = ServeConfig(Config(**engine), **serve)
+    engine, options = resolve(args, SERVE_OPTIONS)
+    cfg = ServeConfig(Config(**engine), **options)
     if cfg.host not in ("127.0.0.1", "localhost") and not cfg.api_keys:
         print(f"prefixcache: warning: serving {cfg.host} without --api-keys: anyone who can reach it is admin",
               file=sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler it found: make that
-    # handler a no-op, so a graceful shutdown exits 0
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info",
-                timeout_graceful_shutdown=cfg.grace_seconds)
+    serve(cfg)
 
 
 def cmd_route(args) -> None:
@@ -113,11 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="(default: 127.0.0.1)")
     p.add_argument("--port", type=int, help="(default: 8000)")
     p.add_argument("--api-keys", help='JSON: {"sk-key": {"tenant": "acme", "labels": [], "admin": false, "rpm": 60, '
-                   '"tpm": 100000}} (rpm, tpm: optional per-tenant rate limits)')
+                   '"tpm": 100000, "cache_share": 0.25}} (optional: rpm, tpm, per-tenant rate limits; cache_share, '
+                   'the tenant\'s guaranteed fraction of the KV cache, evicted last)')
     p.add_argument("--shared-prefixes", help="JSON list of system prompts shared by all tenants")
     p.add_argument("--max-queue", type=int, help="waiting requests before 429 / 529 (default: 64)")
     p.add_argument("--max-body-bytes", type=size, help="larger request bodies get 413 (default: 4M)")
-    p.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish (default: 30)")
+    p.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish while new ones "
+                   "get 503 (default: 30)")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
 

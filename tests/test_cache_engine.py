@@ -155,6 +155,28 @@ def test_a_tenant_flooding_the_cache_evicts_its_own_entries_first(tiny_model):
     assert llm.generate([hot + [5]], one, scope=CacheScope(tenant="b"))[0].cached_tokens == 320
 
 
+def test_a_tenants_cache_share_holds_while_another_is_over_its_own(tiny_model):
+    """Tenant b holds 80 of 129 blocks, then a writes 100 blocks of unique prefixes. With b's share at 0.7 (90
+    blocks guaranteed), a is the one over its share (the 0.3 left) and evicts its own entries: b keeps all of its
+    prefixes. With equal shares b, the bigger holder, gives up blocks (the control)."""
+    block_bytes = LLM(model=tiny_model, enable_prefix_cache=False).engine.pool.block_bytes
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    b_prompts = [BASE[:1] + [7000 + 400 * i + t for t in range(319)] for i in range(4)]
+
+    def kept(shares: dict[str, float]) -> list[int]:
+        llm = LLM(model=tiny_model, kv_cache_bytes=130 * block_bytes, max_num_seqs=4)
+        llm.engine.set_cache_shares(shares)
+        for p in b_prompts:
+            llm.generate([p], one, scope=CacheScope(tenant="b"))
+        for i in range(10):
+            llm.generate([list(range(5000 + 200 * i, 5160 + 200 * i))], one, scope=CacheScope(tenant="a"))
+        assert llm.engine.blocks.cache.evictions["capacity"] >= 40
+        return [llm.generate([p + [5]], one, scope=CacheScope(tenant="b"))[0].cached_tokens for p in b_prompts]
+
+    assert kept({"b": 0.7}) == [320] * 4
+    assert min(kept({})) < 320
+
+
 def test_a_tenants_flood_of_requests_does_not_starve_another(tiny_model):
     """Tenant a queues 6 requests, then b one, with room for 2 at a time: b gets one of the first free slots, ahead
     of a's other queued requests (arrival order alone would make it wait for all of them)."""

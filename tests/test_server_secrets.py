@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -68,15 +69,16 @@ def served(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("grace, finished", [("30", True), ("0.5", False)])
-def test_sigterm_lets_running_requests_finish_within_the_grace_period(tmp_path, grace, finished):
-    """SIGTERM mid-stream: no new connections; the running stream ends normally within --grace-seconds, or is cut
+def test_sigterm_drains_running_requests_within_the_grace_period(tmp_path, grace, finished):
+    """SIGTERM mid-stream: /health turns 503 "draining" and a new request gets a 503 with Retry-After in its API's
+    format (a router retries it elsewhere), while the running stream ends normally within --grace-seconds, or is cut
     when that is shorter; either way the server exits 0. (The default model: its 150 tokens take seconds.)"""
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk": {"tenant": "a"}}))
     url, proc = _serve(keys, "--grace-seconds", grace)
     body = {"model": "default", "prompt": "Once upon a time, in a city by the sea,", "max_tokens": 150,
             "temperature": 0, "stream": True}
-    events = []
+    events, refused = [], []
     with httpx.Client(base_url=url, timeout=60, headers={"Authorization": "Bearer sk"}) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             try:
@@ -85,11 +87,25 @@ def test_sigterm_lets_running_requests_finish_within_the_grace_period(tmp_path, 
                         events.append(json.loads(line[6:]))
                         if len(events) == 1:
                             proc.terminate()
-                            until(lambda: _refused(url))
+                        if len(events) == 1 and finished:  # a drain long enough to probe
+                            until(lambda: httpx.get(f"{url}/health").status_code == 503)
+                            assert httpx.get(f"{url}/health").json()["status"] == "draining"
+                            refused += [httpx.post(f"{url}/v1/completions", json={**body, "stream": False},
+                                                   headers={"Authorization": "Bearer sk"}),
+                                        httpx.post(f"{url}/v1/messages", headers={"x-api-key": "sk"}, json={
+                                            "model": "default", "max_tokens": 4,
+                                            "messages": [{"role": "user", "content": "Hi"}]})]
             except httpx.HTTPError:
                 pass  # cut at the end of the grace period
     assert proc.wait(30) == 0
     assert (events[-1]["choices"][0]["finish_reason"] is not None) == finished, (len(events), events[-1])
+    assert bool(refused) == finished
+    for r in refused:
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    if refused:
+        assert refused[0].json()["error"]["type"] == "server_error"
+        assert refused[1].json()["error"]["type"] == "api_error"
+    assert _refused(url)  # the process is gone
 
 
 def _refused(url: str) -> bool:
@@ -114,3 +130,29 @@ def test_sighup_reloads_the_keys_file(served):
     keys.write_text("{broken")  # a bad file keeps the keys in force
     os.kill(proc.pid, signal.SIGHUP)
     until(lambda: proc.poll() is None and status("sk-new") == 200)
+
+
+def test_cache_shares_come_from_the_keys_file_and_reload_with_it(tiny_model, tmp_path):
+    """cache_share in a tenant's key entry reaches the engine at start and again on SIGHUP (reload_keys); shares
+    adding up to more than the whole cache are refused, and a refused file keeps the shares in force."""
+    from prefixcache.config import Config
+    from prefixcache.server.app import ServeConfig
+    from prefixcache.server.auth import Keys
+    from server_fixtures import _start
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-a": {"tenant": "a", "cache_share": 0.5}, "sk-b": {"tenant": "b"}}))
+    running = _start("shares", ServeConfig(Config(model=tiny_model, kv_cache_bytes=2**22), api_keys=str(keys)))
+    cache = running.server.engine.blocks.cache
+    until(lambda: cache.shares == {"a": 0.5})
+    keys.write_text(json.dumps({"sk-a": {"tenant": "a", "cache_share": 0.25}, "sk-b": {"tenant": "b",
+                                                                                       "cache_share": 0.5}}))
+    running.server.reload_keys()
+    until(lambda: cache.shares == {"a": 0.25, "b": 0.5})
+    keys.write_text(json.dumps({"sk-a": {"tenant": "a", "cache_share": 0.75}, "sk-b": {"tenant": "b",
+                                                                                       "cache_share": 0.5}}))
+    with pytest.raises(ValueError, match="cache_share"):
+        Keys(str(keys))
+    running.server.reload_keys()
+    time.sleep(0.2)
+    assert cache.shares == {"a": 0.25, "b": 0.5}

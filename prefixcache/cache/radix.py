@@ -7,8 +7,9 @@ tree as leaves; a hit on one, or on the head of a full block, is served by copyi
 
 Every node holds one pool reference on its block; a running sequence holds its own. A node may be evicted
 only when it is an unpinned leaf whose block nobody else references. Eviction takes expired entries first,
-then from the owner holding the most blocks (so a tenant flooding the cache evicts its own entries, not
-others' below an equal share), then lower priority, then least recently used.
+then from the owner group furthest over its guaranteed share of the pool (shares are set per group, the engine's
+groups being tenants; by default equal, so the group holding the most: a tenant flooding the cache evicts its
+own entries, not others' below their share), then lower priority, then least recently used.
 
 The cache knows scope keys, tokens and block ids, never a request. Each scope with live entries has an opaque
 owner (the engine uses tenant and labels), so that an owner's entries can be purged under every scope it wrote.
@@ -18,7 +19,7 @@ engine's tiers below host memory and KV events. NullCache stands in when caching
 import heapq
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -79,6 +80,8 @@ class PrefixCache:
         self.gone: OrderedDict[bytes, str] = OrderedDict()  # recently removed keys -> reason, for miss answers
         self.scopes: dict[bytes, list] = {}  # scope key -> [owner, live nodes]: bounded by the nodes
         self.listener: Listener | None = None
+        self.shares: dict[Hashable, float] = {}  # owner group -> guaranteed fraction of the pool (set_shares)
+        self.group: Callable[[Hashable], Hashable] = lambda owner: owner
 
     # ---- public API -------------------------------------------------------------------------------------
     def match(self, tokens: list[int], keys: list[bytes], scopes: list[bytes], partial_scopes: tuple[bytes, ...],
@@ -155,14 +158,22 @@ class PrefixCache:
             n.last_access = now
             n.expires_at = now + n.ttl if n.ttl is not None else float("inf")
 
+    def set_shares(self, shares: dict[Hashable, float], group: Callable[[Hashable], Hashable]) -> None:
+        """Guaranteed fractions of the pool by owner group (`group` maps an owner to its group; the engine: its
+        tenant). Groups without a share split what the shares leave, equally. Eviction takes from the group
+        furthest over its guarantee, so a group under it loses nothing while another is over its own."""
+        assert sum(shares.values()) <= 1 + 1e-9, "cache shares add up to more than the whole cache"
+        self.shares, self.group = dict(shares), group
+
     def evict(self, n_blocks: int) -> int:
         """Free up to n_blocks by dropping evictable leaves; returns how many blocks were freed. Expired entries
-        go first; then the owner holding the most blocks gives up its own, so no owner can push another below
-        an equal share of the cache; within an owner, lower priority, then least recently used."""
+        go first; then the owner group furthest over its guaranteed share (without shares: an equal share, so
+        the group holding the most) gives up its own; within it, lower priority, then least recently used."""
         now = self.clock()
-        held: Counter = Counter()
+        held: Counter = Counter()  # by group
         for owner, n in self.scopes.values():
-            held[owner] += n
+            held[self.group(owner)] += n
+        guaranteed = self._guarantees(held)
         heaps: dict[Hashable, list] = {}  # owner -> its evictable leaves, by rank
         for node in self.nodes.values():
             if self._evictable(node):
@@ -171,7 +182,7 @@ class PrefixCache:
             heapq.heapify(heap)
         freed = 0
         while freed < n_blocks and heaps:
-            owner = min(heaps, key=lambda o: (heaps[o][0][0], -held[o]))  # an expired entry, else the biggest
+            owner = min(heaps, key=lambda o: (heaps[o][0][0], guaranteed[self.group(o)] - held[self.group(o)]))
             rank = heapq.heappop(heaps[owner])
             if not heaps[owner]:
                 del heaps[owner]
@@ -179,7 +190,7 @@ class PrefixCache:
             if not self._evictable(node):
                 continue
             parent = node.parent
-            held[owner] -= 1
+            held[self.group(owner)] -= 1
             freed += self._remove(node, "ttl" if rank[0] == 0 else "capacity")
             if parent is not None and parent.parent is not None and self._evictable(parent):
                 heapq.heappush(heaps.setdefault(self.scopes[parent.scope][0], []), self._rank(parent, now))
@@ -240,6 +251,13 @@ class PrefixCache:
     def _evictable(self, node: Node) -> bool:
         return node.alive and not node.children and not node.pinned and self.pool.refs[node.block] == 1
 
+    def _guarantees(self, held: Counter) -> dict[Hashable, float]:
+        """Guaranteed blocks of each group holding any: its share of the pool, or an equal part of the rest."""
+        capacity = self.pool.usable_blocks
+        free = [g for g in held if g not in self.shares]
+        rest = capacity * (1 - sum(self.shares.values())) / max(len(free), 1)
+        return {g: capacity * self.shares[g] if g in self.shares else rest for g in held}
+
     @staticmethod
     def _rank(node: Node, now: float):
         return (0 if node.expires_at <= now else 1, node.priority, node.last_access, id(node), node)
@@ -287,6 +305,9 @@ class NullCache:
 
     def evict(self, n_blocks: int) -> int:
         return 0
+
+    def set_shares(self, shares, group) -> None:
+        pass
 
     def purge(self, scope: bytes) -> int:
         return 0

@@ -199,6 +199,11 @@ class Engine:
         self.blocks.prepare(seq)
         return [k.hex() for k in seq.cache.keys]
 
+    def set_cache_shares(self, shares: dict[str, float]) -> None:
+        """Guaranteed fractions of the KV pool by tenant (summing to at most 1): eviction takes from the tenant
+        furthest over its share first; tenants without one split the rest equally."""
+        self.blocks.cache.set_shares(shares, group=lambda owner: owner[0])  # owners are (tenant, labels)
+
     def clear_cache(self) -> int:
         self.drafter.tables.clear()
         return self.blocks.clear()

@@ -48,7 +48,7 @@ class ServeConfig:
     shared_prefixes: str | None = None  # JSON list of system-prompt strings shared by all tenants
     max_queue: int = 64  # waiting requests beyond the running batch; past it, 429 / 529
     max_body_bytes: int = 4 << 20  # larger request bodies get 413 before they are read further
-    grace_seconds: float = 30.0  # on SIGTERM: no new connections; running requests get this long to finish
+    grace_seconds: float = 30.0  # on SIGTERM: new requests get 503; running ones get this long to finish
 
 
 SERVE_OPTIONS = tuple(f.name for f in fields(ServeConfig) if f.name != "engine")
@@ -81,6 +81,17 @@ class Server:
         self.keys = Keys(cfg.api_keys) if cfg.api_keys else None
         self.metrics = Metrics(engine.model_name)
         self.limits = RateLimits()
+        self.draining = False  # after SIGTERM: running requests finish, new ones get 503 (server/serve.py)
+
+    def reload_keys(self) -> None:
+        """SIGHUP: read the keys file again, with the tenants' cache shares."""
+        self.keys.reload()
+        self.apply_shares()
+
+    def apply_shares(self) -> None:
+        if self.keys:
+            shares = self.keys.shares()
+            self.worker.inbox.put(lambda: self.engine.set_cache_shares(shares))
 
     def auth(self, request: Request) -> Principal:
         return authenticate(self.keys, request.headers)
@@ -95,6 +106,8 @@ class Server:
                        where: Callable[[int], str] | None = None) -> Generation:
         """Submit a validated request and wait for its first token. `where` maps a token position back to the
         request (message and character offset), to explain where a cache match stopped."""
+        if self.draining:
+            raise ApiError(503, "server is shutting down; retry on another replica", retry_after=1)
         if len(prompt) >= self.engine.max_model_len:
             raise ApiError(400, f"prompt has {len(prompt)} tokens; the context window is {self.engine.max_model_len}",
                            param="messages", code="context_length_exceeded")
@@ -154,8 +167,9 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         loop = asyncio.get_running_loop()
         server.worker.start(loop)
+        server.apply_shares()
         if server.keys and threading.current_thread() is threading.main_thread():  # signals reach the main thread
-            loop.add_signal_handler(signal.SIGHUP, server.keys.reload)
+            loop.add_signal_handler(signal.SIGHUP, server.reload_keys)
         yield
         server.worker.stop()
 
@@ -184,15 +198,18 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        """"degraded" when a KV tier is unreachable (requests still succeed: they recompute). The queue lengths
-        are read without the engine thread, so a router's health check never waits for a step."""
+        """"degraded" when a KV tier is unreachable (requests still succeed: they recompute); "draining" (503)
+        after SIGTERM. The queue lengths are read without the engine thread, so a health check never waits for a
+        step."""
         engine = server.engine
         pool = engine.pool
         tiers = engine.blocks.tiering.tiers.health() if engine.blocks.tiering else {}
-        ok = all(t["status"] == "ok" for t in tiers.values())
-        return {"status": "ok" if ok else "degraded", "model": server.model_name, "replica_id": engine.replica_id,
+        status = "draining" if server.draining else "ok" if all(t["status"] == "ok" for t in tiers.values()) \
+            else "degraded"
+        body = {"status": status, "model": server.model_name, "replica_id": engine.replica_id,
                 "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting), "tiers": tiers,
                 "kv_bytes_per_token": pool.block_bytes // pool.block_size, "exactness": engine.exactness.summary()}
+        return JSONResponse(body, 503 if server.draining else 200)
 
     @app.get("/v1/models")
     async def models(request: Request):

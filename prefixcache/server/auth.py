@@ -24,6 +24,7 @@ class Principal:
     admin: bool = False
     rpm: float | None = None  # requests per minute; None: no limit
     tpm: float | None = None  # prompt tokens per minute; None: no limit
+    cache_share: float | None = None  # the tenant's guaranteed fraction of the KV cache; None: an equal part of the rest
 
     def scope(self, salt: str = "") -> CacheScope:
         """The cache scope of this caller's requests: its tenant and labels, narrowed by the client's salt."""
@@ -48,6 +49,10 @@ class Keys:
             if hmac.compare_digest(stored, digest):
                 found = p
         return found
+
+    def shares(self) -> dict[str, float]:
+        """Tenant -> guaranteed fraction of the KV cache, for the tenants whose keys set `cache_share`."""
+        return _shares(self.entries)
 
     def reload(self) -> None:
         """Read the file again (on SIGHUP); a file that does not parse leaves the current keys in force."""
@@ -84,8 +89,21 @@ def authenticate(keys: Keys | None, headers) -> Principal:
 def _read(path: str) -> list[tuple[bytes, Principal]]:
     with open(path) as f:
         raw = json.load(f)
-    return [(_digest(key), Principal(v["tenant"], tuple(sorted(v.get("labels", []))), bool(v.get("admin", False)),
-                                     v.get("rpm"), v.get("tpm"))) for key, v in raw.items()]
+    entries = [(_digest(key), Principal(v["tenant"], tuple(sorted(v.get("labels", []))), bool(v.get("admin", False)),
+                                        v.get("rpm"), v.get("tpm"), v.get("cache_share"))) for key, v in raw.items()]
+    shares = _shares(entries)
+    if not all(0 < s <= 1 for s in shares.values()) or sum(shares.values()) > 1:
+        raise ValueError(f"{path}: cache_share must be in (0, 1] and add up to at most 1 over tenants")
+    return entries
+
+
+def _shares(entries: list[tuple[bytes, Principal]]) -> dict[str, float]:
+    """Each tenant's cache share: the largest its keys give."""
+    shares: dict[str, float] = {}
+    for _, p in entries:
+        if p.cache_share is not None:
+            shares[p.tenant] = max(shares.get(p.tenant, 0.0), float(p.cache_share))
+    return shares
 
 
 def _digest(key: str) -> bytes:

@@ -1,0 +1,42 @@
+"""The server process: the app under uvicorn, with a draining shutdown.
+
+SIGTERM (what `docker stop` and Kubernetes send) starts a drain. The listener stays open; new completion requests
+get a 503 with Retry-After, which a router retries on another replica at once; /health answers 503 "draining", so
+routers and load balancers take the replica out; running requests go on. Once none is left, or after
+`grace_seconds`, uvicorn shuts down (cutting what still runs) and the process exits 0. A second SIGTERM, or SIGINT,
+stops at once, as uvicorn does.
+"""
+import signal
+import threading
+import time
+
+import uvicorn
+
+from prefixcache.server.app import Server, ServeConfig, create_app
+
+CUT_SECONDS = 1.0  # after the grace period: how long uvicorn waits for connections before cutting them
+
+
+class Draining(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, server: Server, grace: float):
+        super().__init__(config)
+        self.server, self.grace = server, grace
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig != signal.SIGTERM or self.server.draining:
+            return super().handle_exit(sig, frame)
+        self.server.draining = True  # not handed to uvicorn, which would raise it again on exit: the exit is 0
+        threading.Thread(target=self._drain, name="drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.grace
+        while self.server.worker.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.should_exit = True
+
+
+def serve(cfg: ServeConfig) -> None:
+    app = create_app(cfg)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
+                            timeout_graceful_shutdown=CUT_SECONDS)
+    Draining(config, app.state.server, cfg.grace_seconds).run()
