@@ -65,3 +65,26 @@ def test_in_flight_deduplication_waits_only_within_the_scope(tiny_model):
     while engine.has_unfinished():
         engine.step()
     assert llm.engine.output(again).cached_tokens >= 1024 and llm.engine.output(other).cached_tokens == 0
+
+
+def test_another_tenants_entries_do_not_change_the_admission_order(tiny_model):
+    """Admission prefers the longest cached prefix, counted only in scopes the request may read: with tenant a
+    holding c's prompt in a's own scope, b's and c's queued requests are admitted in the order they would be with
+    nothing cached (arrival), not c first. The control: c's own copy does put c first."""
+    from prefixcache import LLM, SamplingParams
+    from prefixcache.cache.scope import CacheScope
+
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    b_prompt, c_prompt = list(range(2000, 2400)), list(range(3000, 3400))
+
+    def first_admitted(cached_by: str | None) -> str:
+        llm = LLM(model=tiny_model, max_num_seqs=1)
+        if cached_by:
+            llm.generate([c_prompt], one, scope=CacheScope(tenant=cached_by))
+        b = llm.engine.add_request(b_prompt, one, CacheScope(tenant="b"))
+        llm.engine.add_request(c_prompt, one, CacheScope(tenant="c"))
+        llm.engine.step()  # room for one: whoever computed tokens in it was admitted first
+        return "b" if b.num_computed else "c"
+
+    assert first_admitted(None) == first_admitted("a") == "b"
+    assert first_admitted("c") == "c"
