@@ -78,14 +78,14 @@ def spec_server() -> Running:
     return _start("spec", ServeConfig(Config(kv_cache_bytes=2**28, speculative="both")))
 
 
-def tiny_tenants_server(tmp_path_factory, model: str, name: str = "tiny-tenants",
-                        kv_cache_bytes: int = 2**28) -> Running:
+def tiny_tenants_server(tmp_path_factory, model: str, name: str = "tiny-tenants", kv_cache_bytes: int = 2**28,
+                        shared_chunk: int = 0) -> Running:
     """The tiny model (fast prefill, so timing tests can run many requests), tenants a and b and an admin."""
     d = tmp_path_factory.mktemp(name)
     (d / "keys.json").write_text(json.dumps({"sk-a": {"tenant": "a"}, "sk-b": {"tenant": "b"},
                                              "sk-admin": {"tenant": "ops", "admin": True}}))
-    return _start(name, ServeConfig(Config(model=model, kv_cache_bytes=kv_cache_bytes, min_cache_tokens=0),
-                                    api_keys=str(d / "keys.json")))
+    return _start(name, ServeConfig(Config(model=model, kv_cache_bytes=kv_cache_bytes, min_cache_tokens=0,
+                                           shared_chunk=shared_chunk), api_keys=str(d / "keys.json")))
 
 
 def tiny_server(model: str) -> Running:

@@ -60,7 +60,8 @@ class Engine:
         self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"  # its name in KV events
         if config.disk_cache or config.redis_url:
             self.blocks.attach(self._tiers(c))
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps,
+                                   config.shared_chunk)
         model = Llama(weights, config.attn_tile)
         self.exactness = model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, self.pool, config.max_num_seqs)

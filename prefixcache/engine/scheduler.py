@@ -1,13 +1,37 @@
 """Continuous batching: which sequences run this step, and how many of their tokens."""
+import time
 from collections import Counter, deque
 
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.sequence import Sequence, Status
 
 
+ACTIVE_SECONDS = 2.0  # a tenant counts as active this long after it last added or finished a request
+
+
+class PrefillShares:
+    """One step's prefill tokens by tenant, each tenant's capped at `cap` (None: no cap). Decode rows (a sequence's
+    one uncomputed token) are never capped."""
+
+    def __init__(self, cap: int | None):
+        self.cap, self.used = cap, Counter()
+
+    def allow(self, seq: Sequence, n: int) -> int:
+        if self.cap is None or seq.num_uncomputed == 1:
+            return n
+        return max(0, min(n, self.cap - self.used[seq.scope.tenant]))
+
+    def take(self, seq: Sequence, n: int) -> None:
+        if seq.num_uncomputed > 1 or n > 1:
+            self.used[seq.scope.tenant] += n
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int, fairness_steps: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int, fairness_steps: int,
+                 shared_chunk: int = 0):
         self.blocks = blocks
+        self.shared_chunk = shared_chunk  # 0: off
+        self.active: dict[str, float] = {}  # tenant -> when it last added or finished a request (monotonic)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.fairness_steps = fairness_steps
@@ -16,18 +40,24 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        self.active[seq.scope.tenant] = time.monotonic()
         self.blocks.prepare(seq)
         self.blocks.prefetch(seq)
         self.waiting.append(seq)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens to compute) pairs: decodes first, then prefill chunks, within the token budget."""
+        """(sequence, tokens to compute) pairs: decodes first, then prefill chunks, within the token budget. While
+        several tenants are active, each tenant's prefill tokens in a step are capped at `shared_chunk` (if set), so
+        that one tenant's long prompts keep steps short for the others' first tokens."""
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
+        shares = self._prefill_shares()
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = shares.allow(seq, min(seq.num_uncomputed, budget))
+            if n == 0:
+                continue
             while not self.blocks.grow(seq, n):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -36,20 +66,22 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 plan.append((seq, n))
                 budget -= n
+                shares.take(seq, n)
         plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
         for seq, m in self._admission_order():
             if budget == 0 or self.num_slots + 1 + len(seq.forks) > self.max_num_seqs:
                 break
-            if self._waits_for_inflight(seq, m):
+            if self._waits_for_inflight(seq, m) or not shares.allow(seq, budget):
                 continue
             if not self.blocks.admit(seq, m):
                 break  # the head of the queue waits for memory rather than being overtaken forever
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed, budget)
+            n = shares.allow(seq, min(seq.num_uncomputed, budget))
             plan.append((seq, n))
             budget -= n
+            shares.take(seq, n)
         for seq in self.waiting:
             seq.skipped += 1
         return sorted(plan, key=lambda p: p[1] != 1)  # decode rows first, so they batch into one group
@@ -75,6 +107,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
+        self.active[seq.scope.tenant] = time.monotonic()
         self.blocks.release(seq, finished=True)
         self.running.remove(seq)
         seq.status = Status.FINISHED
@@ -85,6 +118,14 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
             seq.status = Status.FINISHED
+
+    def _prefill_shares(self) -> "PrefillShares":
+        """This step's prefill caps: `shared_chunk` tokens a tenant while another tenant was active within
+        ACTIVE_SECONDS (a tenant sending one request after another stays active between them); else none."""
+        now = time.monotonic()
+        self.active = {t: at for t, at in self.active.items() if now - at < ACTIVE_SECONDS}
+        tenants = set(self.active) | {s.scope.tenant for s in self.running} | {s.scope.tenant for s in self.waiting}
+        return PrefillShares(self.shared_chunk if self.shared_chunk and len(tenants) > 1 else None)
 
     def _admission_order(self) -> list[tuple[Sequence, object]]:
         """(request, its cache match): a request passed over `fairness_steps` times first; then round-robin over
