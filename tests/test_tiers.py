@@ -216,3 +216,17 @@ def test_a_damaged_disk_block_is_deleted_and_recomputed(tiny_model, tmp_path, co
     assert result[0][0].cached_by_tier.get("L2", 0) == 48  # blocks 0-2; the damaged one and the rest computed
     assert_cold(result, cold)
     assert a.engine.stats()["tiers"]["counts"]["L2_bad"] == 1 and not path.exists()
+
+
+def test_a_tier_that_fails_oddly_loses_nothing_else(tiny_model, tmp_path, cold):
+    """A disk fault other than a full disk (the tenant's folder is a file) fails every spill of that tenant and
+    every lookup that reads it: the writer and reader threads go on, and requests are served, equal to cold."""
+    a = llm(tiny_model, disk_cache=str(tmp_path))
+    a.generate([PROMPT], GREEDY)
+    (tmp_path / owner_id(CacheScope().owner)).write_text("not a folder")
+    flood(a)
+    settle(a.engine)  # returns: the writer survived its failed jobs
+    assert a.engine.stats()["tiers"]["counts"]["L2_job_errors"] > 0
+    result = generate_with_logits(a, [PROMPT])
+    assert result[0][0].cached_by_tier.get("L2", 0) == 0
+    assert_cold(result, cold)

@@ -13,6 +13,7 @@ futures, which the scheduler polls.
 A block is filed under its owner (tenant and labels, hashed) and its chain key, which already holds the whole
 scope; so a purge reaches a tenant's blocks in every tier, and a request can only ever ask for keys of its scope.
 """
+import logging
 import queue
 import threading
 import time
@@ -27,6 +28,8 @@ from prefixcache.cache.disk import DiskTier
 from prefixcache.cache.events import KVEvents
 from prefixcache.cache.record import BadRecord, Record, decode, encode
 from prefixcache.cache.remote import RedisTier
+
+log = logging.getLogger("prefixcache.tiers")
 
 WINDOW = 8  # blocks per L3 round trip (MGET): 8 read at ~960 MB/s here, 32 at ~790
 QUEUE = 256  # writes waiting for the writer thread
@@ -85,7 +88,8 @@ class Tiers:
             self._queue(("L2", owner, key, spill, ttl))
 
     def fetch(self, wanted: list[Wanted]) -> Future:
-        """Look up the blocks of a chain, in order; the future gives the Found ones up to the first miss."""
+        """Look up the blocks of a chain, in order; the future gives the Found ones up to the first miss (or the
+        first failure: a tier's fault is a miss)."""
         return self.reader.submit(self._fetch, wanted)
 
     def purge(self, owner: str | None) -> None:
@@ -131,6 +135,15 @@ class Tiers:
     # ---- reader thread ------------------------------------------------------------------------------------
     def _fetch(self, wanted: list[Wanted]) -> list[Found]:
         found: list[Found] = []
+        try:
+            self._lookup(wanted, found)
+        except Exception:
+            log.exception("KV tier lookup failed")
+            self._count("lookup", "errors")
+        return found
+
+    def _lookup(self, wanted: list[Wanted], found: list[Found]) -> None:
+        """Append to `found` the blocks found, in order, up to the first miss."""
         if self.disk:
             for w in wanted:
                 with self.disk_lock:
@@ -150,9 +163,8 @@ class Tiers:
                     record = self._check("L3", w, data, t)
                     t = None  # the round trip is timed once
                     if record is None:
-                        return found
+                        return
                     found.append(Found("L3", record))
-        return found
 
     def _check(self, tier: str, w: Wanted, data: bytes | None, started: float | None) -> Record | None:
         if started is not None:
@@ -185,13 +197,18 @@ class Tiers:
     def _write_loop(self) -> None:
         while (job := self.jobs.get()) is not None:
             kind, *args = job
-            if kind == "purge":
-                self._purge(*args)
-            elif kind == "pin":
-                self.remote.persist(*args)
-            else:
-                self._write(kind, *args)
-            self.jobs.task_done()
+            try:
+                if kind == "purge":
+                    self._purge(*args)
+                elif kind == "pin":
+                    self.remote.persist(*args)
+                else:
+                    self._write(kind, *args)
+            except Exception:  # a tier's fault must not stop the writer: the block is only not kept there
+                log.exception("KV tier job %s failed", kind)
+                self._count(kind, "job_errors")
+            finally:
+                self.jobs.task_done()
 
     def _write(self, tier: str, owner: str, key: str, record: Record, ttl: float | None) -> None:
         data = encode(record)
