@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/drafter.py, Engine._verify, Sampler.verify): greedy output and every logit are
+"""Speculative decoding (engine/drafter.py, engine/speculation.py, Sampler.verify): greedy output and every logit are
 those of speculation off; sampled output keeps its distribution; drafts never cross a scope."""
 import pytest
 import torch
@@ -33,8 +33,8 @@ def test_greedy_output_and_logits_equal_speculation_off(fixture, request):
         assert [o.token_ids for o in a_out] == [o.token_ids for o in b_out]
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     if fixture == "default":  # the tiny model's random weights do not copy, the real one does
-        assert on.engine.spec["accepted_tokens"] > 0 and sum(o.accepted_draft_tokens for o in b_out) > 0
-    assert on.engine.spec["drafts"] > 0
+        assert on.engine.speculation.counts["accepted_tokens"] > 0 and sum(o.accepted_draft_tokens for o in b_out) > 0
+    assert on.engine.speculation.counts["drafts"] > 0
 
 
 def test_rejection_sampling_keeps_the_distribution():
@@ -82,7 +82,7 @@ def test_a_request_whose_drafts_fail_stops_drafting(tiny_model):
     assert seq.output_ids == off.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30,
                                                                    ignore_eos=True))[0].token_ids
     if seq.accepted_draft_tokens == 0:
-        assert on.engine.spec["drafts"] == 3 and seq.draft_len == 0
+        assert on.engine.speculation.counts["drafts"] == 3 and seq.draft_len == 0
 
 
 def test_answer_tables_are_per_scope_and_purged_with_the_tenant():
@@ -124,7 +124,7 @@ def test_unsupported_features_run_without_speculation(tiny_model):
                    SamplingParams(temperature=0.0, max_tokens=8, speculative=False)):
         out = llm.generate([prompt], params)[0]
         assert len(out.token_ids) == 8 and out.accepted_draft_tokens == 0
-    assert llm.engine.spec["drafts"] == 0
+    assert llm.engine.speculation.counts["drafts"] == 0
     assert Config(model=tiny_model).speculative == "off"
 
 

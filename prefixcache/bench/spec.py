@@ -32,7 +32,7 @@ def run(llm: LLM, turns: list[Turn]) -> dict:
     each request's first token, and the outputs."""
     scope = CacheScope(tenant="bench")
     tokens = steps = 0
-    seconds, outputs, spec = 0.0, [], dict(llm.engine.spec)
+    seconds, outputs, spec = 0.0, [], dict(llm.engine.speculation.counts)
     for turn in turns:
         params = SamplingParams(temperature=0.0, max_tokens=turn.max_tokens)
         seq = llm.engine.add_request(llm.encode_chat(turn.messages), params, scope)
@@ -45,7 +45,7 @@ def run(llm: LLM, turns: list[Turn]) -> dict:
         seconds += time.perf_counter() - t
         tokens += len(seq.output_ids) - n
         outputs.append(seq.output_ids)
-    drafted, accepted = (llm.engine.spec[k] - spec[k] for k in ("draft_tokens", "accepted_tokens"))
+    drafted, accepted = (llm.engine.speculation.counts[k] - spec[k] for k in ("draft_tokens", "accepted_tokens"))
     return {"tokens": tokens, "seconds": seconds, "steps": steps, "tok_s": tokens / seconds,
             "tokens_per_step": tokens / max(steps, 1), "acceptance": accepted / drafted if drafted else None,
             "outputs": outputs}
@@ -62,7 +62,7 @@ def main() -> None:
     for name, chats in loads.items():
         for rep in range(REPEATS):  # the modes take turns, in a rotated order: the best time of each counts
             for mode in MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]:
-                engines[mode].engine.drafter.tables.clear()  # each repeat starts from the same answers
+                engines[mode].engine.speculation.drafter.tables.clear()  # each repeat starts from the same answers
                 r = run(engines[mode], chats)
                 best = results.setdefault((name, mode), r)
                 if r["seconds"] < best["seconds"]:

@@ -24,13 +24,13 @@ from prefixcache.engine.grammar import Grammars
 from prefixcache.engine.runner import ModelRunner
 from prefixcache.engine.sampler import Sampler, logprobs
 from prefixcache.engine.scheduler import Scheduler
+from prefixcache.engine.speculation import Speculation
 from prefixcache.engine.sequence import RequestOutput, SamplingParams, Sequence, Status, TokenLogprob
 from prefixcache.models.exactness import probe
 from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
 
 TTFT_WINDOW = 1024  # recent requests whose time to first token stats() summarizes
-DRAFT_MISSES = 3  # a request stops drafting after this many drafts in a row with nothing accepted
 
 
 class StepFailed(Exception):
@@ -65,9 +65,10 @@ class Engine:
         model = Llama(weights, config.attn_tile)
         self.exactness = model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, self.pool, config.max_num_seqs)
-        self.drafter = Drafter(config.speculative, config.num_speculative_tokens)
-        self.spec = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}  # speculative decoding, since start
         self.sampler = Sampler(self.model_config.eos_token_ids)
+        self.speculation = Speculation(Drafter(config.speculative, config.num_speculative_tokens), self.sampler,
+                                       self.blocks, config.num_speculative_tokens, config.max_batch_tokens,
+                                       self.max_model_len)
         self.prompt_tokens_computed = 0  # prompt tokens prefilled (a cache hit skips them, n samples share them)
         self.ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
 
@@ -97,7 +98,7 @@ class Engine:
         for i, seq in enumerate(samples):
             seq.index, seq.samples = i, samples
             seq.detok = Detokenizer(self.tokenizer)
-            seq.draft_len = self.config.num_speculative_tokens if self._speculates(seq) else 0
+            seq.draft_len = self.config.num_speculative_tokens if self.speculation.applies(seq) else 0
             if params.guide:
                 seq.matcher = self.grammars.matcher(params.guide)
         seq = samples[0]
@@ -121,7 +122,7 @@ class Engine:
             raise StepFailed(seqs) from e
 
     def _run(self, plan: list[tuple[Sequence, int]]) -> list[Sequence]:
-        drafts = self._drafts(plan)  # appended to their sequences' tokens for this forward only
+        drafts = self.speculation.drafts(plan)  # appended to their sequences' tokens for this forward only
         plan = [(seq, n + len(drafts.get(seq.id, ()))) for seq, n in plan]
         logits, prompt_hidden = self.runner.run(plan, set(drafts))
         rows, touched, verify = [], [], []
@@ -149,7 +150,7 @@ class Engine:
                 seq.matcher.accept(token)
             self._append(seq, token, logprob)
         for seq in verify:
-            self._verify(seq, logits[seq.id], drafts[seq.id])
+            self.speculation.verify(seq, logits[seq.id], drafts[seq.id], self._append)
         return touched + verify
 
     @cached_property
@@ -182,7 +183,7 @@ class Engine:
 
     def purge_tenant(self, tenant: str, labels: tuple[str, ...] = ()) -> int:
         """Drop the unreferenced entries of a tenant and label set under every salt; returns blocks freed."""
-        self.drafter.purge_tenant(tenant, labels)
+        self.speculation.drafter.purge_tenant(tenant, labels)
         return self.blocks.purge_tenant(tenant, labels)
 
     def pin(self, prompt: list[int], scope: CacheScope | None = None, pinned: bool = True) -> int:
@@ -206,7 +207,7 @@ class Engine:
         self.blocks.cache.set_shares(shares, group=lambda owner: owner[0])  # owners are (tenant, labels)
 
     def clear_cache(self) -> int:
-        self.drafter.tables.clear()
+        self.speculation.drafter.tables.clear()
         return self.blocks.clear()
 
     def close(self) -> None:
@@ -247,7 +248,7 @@ class Engine:
         s["waiting"] = len(self.scheduler.waiting)
         s["preemptions"] = self.scheduler.num_preemptions
         s["prompt_tokens_computed"] = self.prompt_tokens_computed
-        s.update({f"spec_{k}": v for k, v in self.spec.items()})
+        s.update({f"spec_{k}": v for k, v in self.speculation.counts.items()})
         s["tiers"] = self.blocks.tiering.tiers.stats() if self.blocks.tiering else None
         return s
 
@@ -262,49 +263,6 @@ class Engine:
             else:
                 self.scheduler.add(fork)
         return started
-
-    def _speculates(self, seq: Sequence) -> bool:
-        """Whether to draft for this request: never with features verified one token at a time elsewhere."""
-        p = seq.params
-        return self.drafter.enabled and p.speculative and not (p.penalized or p.logprobs is not None or p.guide)
-
-    def _drafts(self, plan: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
-        """Draft tokens for the decoding sequences of the plan, within the step's token budget and the free KV
-        blocks (a draft never evicts cache entries); each is appended to its sequence's tokens."""
-        budget = self.config.max_batch_tokens - sum(n for _, n in plan)
-        drafts = {}
-        for seq, n in plan:
-            if n != 1 or seq.num_uncomputed != 1 or not seq.output_ids or not seq.draft_len or budget <= 0:
-                continue
-            k = min(seq.draft_len, budget, seq.params.max_tokens - len(seq.output_ids) - 1,
-                    self.max_model_len - len(seq.tokens) - 1)
-            draft = self.drafter.propose(seq.tokens, seq.scope, k) if k > 0 else []
-            if draft and self.blocks.grow(seq, 1 + len(draft), evict=False):
-                seq.tokens += draft
-                drafts[seq.id] = draft
-                budget -= len(draft)
-        return drafts
-
-    def _verify(self, seq: Sequence, logits: torch.Tensor, draft: list[int]) -> None:
-        """Keep the longest prefix of the draft that the model itself produces, then the model's next token. Row i
-        of logits follows the sequence's last token and draft[:i]: computed in one forward, the same bits as one
-        step at a time, so greedy output is the one without speculation; sampled output keeps its distribution."""
-        raw = torch.log_softmax(logits.float(), dim=-1)
-        accepted = 0
-        for i in range(len(draft) + 1):
-            proposal = draft[i] if i < len(draft) else None
-            token = self.sampler.verify(logits[i], seq, proposal)
-            self._append(seq, token, TokenLogprob(token, raw[i, token].item()))
-            if token != proposal or seq.finish_reason is not None:
-                break
-            seq.num_computed += 1  # the accepted draft token's K/V, computed in this forward, stand
-            accepted += 1
-        seq.accepted_draft_tokens += accepted
-        seq.draft_misses = 0 if accepted else seq.draft_misses + 1
-        seq.draft_len = 0 if seq.draft_misses >= DRAFT_MISSES else \
-            self.config.num_speculative_tokens if accepted == len(draft) else accepted + 1
-        for key, value in (("drafts", 1), ("draft_tokens", len(draft)), ("accepted_tokens", accepted)):
-            self.spec[key] += value
 
     def _prompt_logprobs(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens after positions start.. (whose hidden states these are). The LM head runs on
@@ -347,4 +305,4 @@ class Engine:
         seq.finish_time = now
         self.scheduler.finish(seq)
         self.sampler.forget(seq.id)
-        self.drafter.record(seq.scope, seq.tokens, len(seq.output_ids))
+        self.speculation.drafter.record(seq.scope, seq.tokens, len(seq.output_ids))

@@ -1,0 +1,65 @@
+"""Speculation: speculative decoding inside the engine. Which requests draft, their drafts for a step (from the
+drafter, engine/drafter.py) and the check of the forward's rows against them (Sampler.verify)."""
+from collections.abc import Callable
+
+import torch
+
+from prefixcache.engine.blocks import BlockManager
+from prefixcache.engine.drafter import Drafter
+from prefixcache.engine.sampler import Sampler
+from prefixcache.engine.sequence import Sequence, TokenLogprob
+
+DRAFT_MISSES = 3  # a request stops drafting after this many drafts in a row with nothing accepted
+
+
+class Speculation:
+    def __init__(self, drafter: Drafter, sampler: Sampler, blocks: BlockManager, num_tokens: int,
+                 max_batch_tokens: int, max_model_len: int):
+        self.drafter, self.sampler, self.blocks = drafter, sampler, blocks
+        self.num_tokens, self.max_batch_tokens, self.max_model_len = num_tokens, max_batch_tokens, max_model_len
+        self.counts = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}  # since start
+
+    def applies(self, seq: Sequence) -> bool:
+        """Whether to draft for this request: never with features verified one token at a time elsewhere."""
+        p = seq.params
+        return self.drafter.enabled and p.speculative and not (p.penalized or p.logprobs is not None or p.guide)
+
+    def drafts(self, plan: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
+        """Draft tokens for the decoding sequences of the plan, within the step's token budget and the free KV
+        blocks (a draft never evicts cache entries); each is appended to its sequence's tokens."""
+        budget = self.max_batch_tokens - sum(n for _, n in plan)
+        drafts = {}
+        for seq, n in plan:
+            if n != 1 or seq.num_uncomputed != 1 or not seq.output_ids or not seq.draft_len or budget <= 0:
+                continue
+            k = min(seq.draft_len, budget, seq.params.max_tokens - len(seq.output_ids) - 1,
+                    self.max_model_len - len(seq.tokens) - 1)
+            draft = self.drafter.propose(seq.tokens, seq.scope, k) if k > 0 else []
+            if draft and self.blocks.grow(seq, 1 + len(draft), evict=False):
+                seq.tokens += draft
+                drafts[seq.id] = draft
+                budget -= len(draft)
+        return drafts
+
+    def verify(self, seq: Sequence, logits: torch.Tensor, draft: list[int],
+               append: Callable[[Sequence, int, TokenLogprob], None]) -> None:
+        """Keep the longest prefix of the draft that the model itself produces, then the model's next token (each
+        given to `append`). Row i of logits follows the sequence's last token and draft[:i]: computed in one
+        forward, the same bits as one step at a time, so greedy output is the one without speculation; sampled
+        output keeps its distribution."""
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        accepted = 0
+        for i in range(len(draft) + 1):
+            proposal = draft[i] if i < len(draft) else None
+            token = self.sampler.verify(logits[i], seq, proposal)
+            append(seq, token, TokenLogprob(token, raw[i, token].item()))
+            if token != proposal or seq.finish_reason is not None:
+                break
+            seq.num_computed += 1  # the accepted draft token's K/V, computed in this forward, stand
+            accepted += 1
+        seq.accepted_draft_tokens += accepted
+        seq.draft_misses = 0 if accepted else seq.draft_misses + 1
+        seq.draft_len = 0 if seq.draft_misses >= DRAFT_MISSES else \
+            self.num_tokens if accepted == len(draft) else accepted + 1
+        for key, value in (("drafts", 1), ("draft_tokens", len(draft)), ("accepted_tokens", accepted)):
+            self.counts[key] += value
