@@ -110,7 +110,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture
 def redis_proc():
     """A redis-server of this test's own, on a free port."""
-    from services import RedisProcess
+    from prefixcache.bench.server import RedisProcess
 
     proc = RedisProcess().start()
     yield proc

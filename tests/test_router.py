@@ -23,7 +23,7 @@ from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.proxy import Router
 from prefixcache.router.replicas import Replica
 from server_fixtures import long_system, metrics, until
-from services import RedisProcess, free_port
+from prefixcache.bench.server import RedisProcess, free_port
 
 KEYS = {"sk-a": {"tenant": "a"}, "sk-b": {"tenant": "b"}, "sk-admin": {"tenant": "ops", "admin": True}}
 

@@ -157,7 +157,7 @@ SCOPES = st.builds(CacheScope, tenant=st.sampled_from(["a", "b"]), labels=st.sam
 
 @pytest.fixture(scope="module")
 def tiered(tiny_model, tmp_path_factory):
-    from services import RedisProcess
+    from prefixcache.bench.server import RedisProcess
 
     proc = RedisProcess().start()
     yield llm(tiny_model, redis_url=proc.url, disk_cache=str(tmp_path_factory.mktemp("l2")), kv_cache_bytes=2**22)

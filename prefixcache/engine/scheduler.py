@@ -122,10 +122,12 @@ class Scheduler:
     def _prefill_shares(self) -> "PrefillShares":
         """This step's prefill caps: `shared_chunk` tokens a tenant while another tenant was active within
         ACTIVE_SECONDS (a tenant sending one request after another stays active between them); else none."""
+        if not self.shared_chunk:
+            return PrefillShares(None)
         now = time.monotonic()
         self.active = {t: at for t, at in self.active.items() if now - at < ACTIVE_SECONDS}
         tenants = set(self.active) | {s.scope.tenant for s in self.running} | {s.scope.tenant for s in self.waiting}
-        return PrefillShares(self.shared_chunk if self.shared_chunk and len(tenants) > 1 else None)
+        return PrefillShares(self.shared_chunk if len(tenants) > 1 else None)
 
     def _admission_order(self) -> list[tuple[Sequence, object]]:
         """(request, its cache match): a request passed over `fairness_steps` times first; then round-robin over

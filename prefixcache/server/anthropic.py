@@ -96,6 +96,10 @@ class MessagesRequest(Strict):
     prompt_cache_key: str | None = None
     speculative: bool | None = None  # extension: false opts this request out of speculative decoding
 
+    @property
+    def salt(self) -> str:
+        return client_salt(self.cache_salt, self.prompt_cache_key)
+
 
 def build_prompt(tokenizer, req: MessagesRequest) -> tuple[Prompt, list[Breakpoint]]:
     """Render tools -> system -> messages; breakpoints in that order."""
@@ -163,7 +167,7 @@ async def messages(request: Request, req: MessagesRequest, caller: Principal = D
                             top_k=req.top_k or 0, max_tokens=req.max_tokens, stop=stops,
                             guide=use.guide() if use else None, speculative=req.speculative is not False)
     gen = await server.generate(request, "anthropic", caller, prompt.token_ids, params,
-                                client_salt(req.cache_salt, req.prompt_cache_key),
+                                req.salt,
                                 breakpoints, where=prompt.where)
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": server.model_name}
 

@@ -9,9 +9,8 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 
-from prefixcache.prompt import fields, render
 from prefixcache.server.anthropic import MessagesRequest, build_prompt
-from prefixcache.server.auth import Principal, client_salt, principal
+from prefixcache.server.auth import Principal, principal
 from prefixcache.server.errors import Strict, invalid
 from prefixcache.server.openai import ChatRequest, CompletionRequest, completion_prompt
 
@@ -30,10 +29,10 @@ async def cache_keys(request: Request, req: KeysRequest, caller: Principal = Dep
     try:
         if req.path == "/v1/messages":
             msg = MessagesRequest.model_validate(req.body)
-            prompt, salt = build_prompt(tokenizer, msg)[0].token_ids, client_salt(msg.cache_salt, msg.prompt_cache_key)
+            prompt, salt = build_prompt(tokenizer, msg)[0].token_ids, msg.salt
         elif req.path == "/v1/chat/completions":
             chat = ChatRequest.model_validate(req.body)
-            prompt, salt = render(tokenizer, fields(chat.model_dump(exclude_unset=True))).token_ids, chat.salt
+            prompt, salt = chat.rendered(tokenizer).token_ids, chat.salt
         else:
             completion = CompletionRequest.model_validate(req.body)
             prompt, salt = completion_prompt(tokenizer, completion), completion.salt

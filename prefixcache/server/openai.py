@@ -16,7 +16,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from prefixcache.engine.grammar import Guide
 from prefixcache.engine.sequence import SamplingParams, best
-from prefixcache.prompt import fields, render
+from prefixcache.prompt import Prompt, fields, render
 from prefixcache.server.auth import Principal, client_salt, principal
 from prefixcache.server.errors import ApiError, Strict
 from prefixcache.server.generation import Generation
@@ -190,6 +190,10 @@ class ChatRequest(Common):
     def logprob_params(self) -> dict:
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
+    def rendered(self, tokenizer) -> Prompt:
+        """The prompt the chat template makes of the messages and tools."""
+        return render(tokenizer, fields(self.model_dump(exclude_unset=True)))
+
     def tool_use(self) -> ToolUse | None:
         """How the reply may call tools; None when it may not (no tools, or tool_choice none)."""
         if self.tool_choice is not None and not self.tools:
@@ -255,7 +259,7 @@ def usage(gen: Generation) -> dict:
 async def complete(request: Request, req: Common, caller: Principal, chat: bool):
     server = request.app.state.server
     server.check_model(req.model)
-    rendered = render(server.tokenizer, fields(req.model_dump(exclude_unset=True))) if chat else None
+    rendered = req.rendered(server.tokenizer) if chat else None
     prompt = rendered.token_ids if rendered else completion_prompt(server.tokenizer, req)
     params = req.sampling(server.engine.max_model_len)
     gen = await server.generate(request, "openai", caller, prompt, params, req.salt,
