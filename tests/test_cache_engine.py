@@ -352,28 +352,3 @@ def test_purge_while_the_tenant_runs_keeps_its_output_and_the_shared_prefix(tiny
     other = llm.generate([shared + BASE[300:340]], params, scope=CacheScope(tenant="globex"))[0]
     assert other.cached_tokens == len(shared) and other.scope_kind == "shared"
     assert llm.generate([prompt], params, scope=CacheScope(tenant="acme"))[0].cached_tokens == len(prompt) - 1
-
-
-def test_shared_chunk_caps_a_tenants_prefill_per_step_while_another_is_active(tiny_model):
-    """With shared_chunk 32, tenant a's two long prompts get at most 32 prefill tokens a step between them while b
-    is active, and b's short request runs in the first step; alone, a's prefill takes the whole step budget. The
-    outputs equal those without the cap (a token's logits never depend on its chunk)."""
-    prompts = [list(range(100 + 400 * i, 400 + 400 * i)) for i in range(2)]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-    def run(shared_chunk: int, with_b: bool) -> tuple[int, list[list[int]]]:
-        llm = LLM(model=tiny_model, shared_chunk=shared_chunk, enable_prefix_cache=False)
-        seqs = [llm.engine.add_request(p, params, CacheScope(tenant="a")) for p in prompts]
-        b = llm.engine.add_request(list(range(9000, 9020)), params, CacheScope(tenant="b")) if with_b else None
-        llm.engine.step()
-        a_tokens = sum(s.num_computed for s in seqs)  # a's prefill tokens in the first step
-        assert b is None or b.output_ids  # b's whole prompt ran in it
-        while llm.engine.has_unfinished():
-            llm.engine.step()
-        return a_tokens, [llm.engine.output(s).token_ids for s in seqs]
-
-    capped, capped_out = run(32, True)
-    alone, alone_out = run(32, False)
-    free, free_out = run(0, True)
-    assert capped == 32 and alone == 512 and free > 400
-    assert capped_out == alone_out == free_out

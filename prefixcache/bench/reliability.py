@@ -22,8 +22,10 @@ LINES = {
               "{blocks_leaked}; the request queued behind served: {queued_request_served}",
     "noisy neighbour": "{flooders} clients of one tenant flood unique 1,500-token prompts ({flood_requests} requests; "
                        "{evicted} blocks evicted while measured) while another sends {n} requests on its 1,024-token "
-                       "prefix: the prefix stayed cached on every one; its TTFT p90 {loaded_p90_s:.3f} s against "
-                       "{quiet_p90_s:.3f} s unloaded: {ratio:.2f}x (target <= 1.5x)",
+                       "prefix, in {rounds} flooded phases alternating with as many unloaded ones; --shared-chunk "
+                       "{shared_chunk}, engine on {engine_threads} thread(s): the prefix stayed cached on every one; "
+                       "its TTFT p90 {loaded_p90_s:.3f} s against {quiet_p90_s:.3f} s unloaded: {ratio:.2f}x (target "
+                       "<= 1.5x)",
 }
 
 

@@ -6,6 +6,7 @@ import statistics
 import time
 from collections import deque
 from functools import cached_property
+from typing import Callable
 
 import torch
 
@@ -71,6 +72,7 @@ class Engine:
                                        self.max_model_len)
         self.prompt_tokens_computed = 0  # prompt tokens prefilled (a cache hit skips them, n samples share them)
         self.ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
+        self.lane_open = False  # a step is under way and no lane step has run inside it
 
     def add_request(self, prompt: list[int], params: SamplingParams, scope: CacheScope | None = None,
                     breakpoints: list[Breakpoint] = (), priority: int = 0) -> Sequence:
@@ -106,25 +108,41 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
-    def step(self) -> list[Sequence]:
+    def step(self, between: Callable[[], None] | None = None) -> list[Sequence]:
         """Run one batch; returns the sequences that received a token or finished. If the batch fails, its
-        sequences are aborted (their blocks freed) and StepFailed names them; the others are untouched."""
+        sequences are aborted (their blocks freed) and StepFailed names them; the others are untouched.
+        `between` is called before each layer of the forward; it may call lane_step()."""
         plan = self.scheduler.schedule()
         if not plan:  # nothing runnable: give lookups in the KV tiers a moment rather than spin
             self.blocks.wait_for_lookups(self.scheduler.waiting)
             return []
+        self.lane_open = True
+        return self._guarded(plan, between)
+
+    def lane_step(self) -> list[Sequence]:
+        """Inside a step, before one of its layers: run the waiting requests that Scheduler.lane() lets through
+        (at most `shared_chunk` tokens) in a step of their own, so they need not wait for the step under way. At
+        most one lane step runs inside a step: a stream of short requests takes at most about half of the time
+        of the steps it interrupts (a forward's cost is mostly per step, not per token, on a CPU)."""
+        plan = self.scheduler.lane(self.config.shared_chunk) if self.lane_open else []
+        if not plan:
+            return []
+        self.lane_open = False
+        return self._guarded(plan, None)
+
+    def _guarded(self, plan: list[tuple[Sequence, int]], between: Callable[[], None] | None) -> list[Sequence]:
         try:
-            return self._run(plan)
+            return self._run(plan, between)
         except Exception as e:
             seqs = [seq for seq, _ in plan]
             for seq in seqs:
                 self.abort(seq)
             raise StepFailed(seqs) from e
 
-    def _run(self, plan: list[tuple[Sequence, int]]) -> list[Sequence]:
+    def _run(self, plan: list[tuple[Sequence, int]], between: Callable[[], None] | None) -> list[Sequence]:
         drafts = self.speculation.drafts(plan)  # appended to their sequences' tokens for this forward only
         plan = [(seq, n + len(drafts.get(seq.id, ()))) for seq, n in plan]
-        logits, prompt_hidden = self.runner.run(plan, set(drafts))
+        logits, prompt_hidden = self.runner.run(plan, set(drafts), between)
         rows, touched, verify = [], [], []
         for seq, n in plan:
             if seq.id in drafts:  # unverified: the cache must never publish them

@@ -1,4 +1,6 @@
 """Turns a scheduled step into one model forward: flat token batch, KV slots, each sequence's queries, logits."""
+from typing import Callable
+
 import torch
 
 from prefixcache.cache.pool import KVPool
@@ -14,12 +16,13 @@ class ModelRunner:
         self.bs = pool.block_size
         self.head_rows = head_rows  # the LM head's calls have at most this many rows: the counts the probe verified
 
-    def run(self, plan: list[tuple[Sequence, int]], verify: set[int] = frozenset()) -> tuple[
+    def run(self, plan: list[tuple[Sequence, int]], verify: set[int] = frozenset(),
+            between: Callable[[], None] | None = None) -> tuple[
             dict[int, torch.Tensor], dict[int, tuple[int, torch.Tensor]]]:
         """Compute the planned tokens. Returns next-token logits [rows, vocab] for sequences that reached their last
         token (one row; a row per computed token for the sequences in `verify`, whose drafts they check), and for
         sequences that want prompt logprobs, (first position, hidden states) of the computed positions that
-        predict a prompt token."""
+        predict a prompt token. `between` is called before each layer (Llama.forward)."""
         ids, pos, slots, queries, rows, owners, prompt_rows = [], [], [], [], [], [], {}
         for seq, m in plan:
             first, start = len(ids), seq.num_computed
@@ -34,7 +37,8 @@ class ModelRunner:
             n_prompt = min(start + m, seq.num_prompt - 1) - start
             if seq.prompt_logprobs is not None and n_prompt > 0:
                 prompt_rows[seq.id] = (start, first, first + n_prompt)
-        hidden = self.model.forward(Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), queries), self.pool)
+        hidden = self.model.forward(Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), queries), self.pool,
+                                   between)
         head = hidden[rows]
         logits = torch.cat([self.model.logits(head[i:i + self.head_rows])
                             for i in range(0, len(rows), self.head_rows)]) if rows else None

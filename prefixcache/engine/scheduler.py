@@ -38,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.last_was_lane = False  # the last step was a first-token step (see _first_token_lane)
 
     def add(self, seq: Sequence) -> None:
         self.active[seq.scope.tenant] = time.monotonic()
@@ -84,7 +85,27 @@ class Scheduler:
             shares.take(seq, n)
         for seq in self.waiting:
             seq.skipped += 1
+        if shares.cap is not None:
+            plan = self._first_token_lane(plan)
         return sorted(plan, key=lambda p: p[1] != 1)  # decode rows first, so they batch into one group
+
+    def lane(self, budget: int) -> list[tuple[Sequence, int]]:
+        """Inside a step under way (Engine.lane_step): waiting requests that need at most `budget` tokens in all to
+        reach their next token (short prompts past their cached prefix), admitted now without preempting anyone,
+        with those tokens."""
+        plan = []
+        for seq, m in self._admission_order():
+            n = len(seq.tokens) - len(m)
+            if n > budget or self.num_slots + 1 + len(seq.forks) > self.max_num_seqs:
+                continue
+            if self._waits_for_inflight(seq, m) or not self.blocks.admit(seq, m):
+                continue
+            self.waiting.remove(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            plan.append((seq, seq.num_uncomputed))
+            budget -= seq.num_uncomputed
+        return plan
 
     @property
     def num_slots(self) -> int:
@@ -128,6 +149,16 @@ class Scheduler:
         self.active = {t: at for t, at in self.active.items() if now - at < ACTIVE_SECONDS}
         tenants = set(self.active) | {s.scope.tenant for s in self.running} | {s.scope.tenant for s in self.waiting}
         return PrefillShares(self.shared_chunk if len(tenants) > 1 else None)
+
+    def _first_token_lane(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """While tenants share the engine: a step that gives a request its first token carries no prefill chunk
+        that leaves more of its prompt to compute (decode rows stay), unless the step before was such a step. A
+        short request admitted between two steps then runs in a step of its own size, and long prompts still get
+        every other step. (One that arrives during a step runs inside it: lane().)"""
+        first = any(not seq.output_ids and n == seq.num_uncomputed for seq, n in plan)
+        chunked = any(n < seq.num_uncomputed for seq, n in plan)
+        self.last_was_lane = first and chunked and not self.last_was_lane
+        return [(seq, n) for seq, n in plan if n == seq.num_uncomputed] if self.last_was_lane else plan
 
     def _admission_order(self) -> list[tuple[Sequence, object]]:
         """(request, its cache match): a request passed over `fairness_steps` times first; then round-robin over

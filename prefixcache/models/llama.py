@@ -6,6 +6,7 @@ probe verified on this CPU (models/exactness.py), and attention in calls whose q
 (models/attention.py).
 """
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,8 +55,9 @@ class Llama:
         self.exact: Exactness = rows_plan("", "until the engine sets the probed plan")
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, pool: KVPool) -> torch.Tensor:
-        """Hidden states [N, hidden] after the final norm; writes every token's K/V into the pool."""
+    def forward(self, batch: Batch, pool: KVPool, between: Callable[[], None] | None = None) -> torch.Tensor:
+        """Hidden states [N, hidden] after the final norm; writes every token's K/V into the pool. `between` is
+        called before each layer: it may run another forward (on other KV slots) before this one goes on."""
         c, eps = self.config, self.config.rms_norm_eps
         # padded once to the plan's row count: every row-wise call below then runs unpadded
         n, pad = len(batch.input_ids), self.exact.padded_rows(len(batch.input_ids)) - len(batch.input_ids)
@@ -66,6 +68,8 @@ class Llama:
         plan = self.attn_plan(batch.queries, n + pad, pool.block_size, pool.k.shape[1])  # padding rows attend nothing
         results = attention.empty_results(plan, n + pad, c.num_heads, c.head_dim, x.dtype)
         for i, L in enumerate(self.layers):
+            if between:
+                between()
             qkv = self._rows(_norm_linear, x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
             q = qkv[:, :nq].view(-1, c.num_heads, c.head_dim)
             k = qkv[:, nq:nq + nkv].view(-1, c.num_kv_heads, c.head_dim)

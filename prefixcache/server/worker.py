@@ -3,7 +3,9 @@
 The engine is not thread-safe, so every engine call (add_request, step, abort, purge, stats) runs on this
 thread. Handlers put closures into a thread-safe inbox; the thread drains it between steps, steps while work
 exists, blocks on the inbox when idle, and hands each request's updates to the asyncio side with
-`loop.call_soon_threadsafe` into that request's asyncio.Queue.
+`loop.call_soon_threadsafe` into that request's asyncio.Queue. New requests also wait in `arrivals`, which the
+thread drains before each layer of a step too, so that a short request can run inside a long step
+(Engine.lane_step) rather than after it.
 """
 import asyncio
 import logging
@@ -73,6 +75,7 @@ class EngineWorker:
         self.engine: Engine | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # set by start(), before the first request
         self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.arrivals: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # submitted requests' adds
         self.live: dict[int, Handle] = {}  # seq id -> handle, engine thread only
         self.in_flight = 0  # submitted and not yet finished; asyncio side only
         built: queue.SimpleQueue[Engine | BaseException] = queue.SimpleQueue()
@@ -108,7 +111,8 @@ class EngineWorker:
             for seq in handle.seqs:
                 self.live[seq.id] = handle
 
-        self.inbox.put(add)
+        self.arrivals.put(add)
+        self.inbox.put(self._add_arrivals)  # in order with the inbox's other work (an abort comes after it)
         return handle
 
     def finished(self, handle: Handle) -> None:
@@ -161,31 +165,57 @@ class EngineWorker:
                 op()
                 block = False
             try:
-                touched = self.engine.step()
+                touched = self.engine.step(self._between_layers)
             except Exception as e:  # an engine bug: fail the requests of that step (all, if unknown), keep serving
                 log.exception("engine step failed")
-                failed = {s.id for s in e.seqs} if isinstance(e, StepFailed) else set(self.live)
-                handles = {id(h): h for sid, h in self.live.items() if sid in failed}
-                for handle in handles.values():
-                    for seq in handle.seqs:
-                        self.engine.abort(seq)
-                        self.live.pop(seq.id, None)
-                    self._deliver(handle, Update("", time.monotonic(), error="internal engine error", internal=True))
+                self._fail(e.seqs if isinstance(e, StepFailed) else [s for h in self.live.values() for s in h.seqs])
                 continue
-            now = time.monotonic()
-            for seq in touched:
-                handle = self.live.get(seq.id)
-                if handle is None:
-                    continue
-                out = None
-                if seq.finish_reason is not None:
-                    out = self.engine.output(seq)
-                    del self.live[seq.id]
-                # one token per step: the last logprob is this update's
-                first = seq.prompt_logprobs is not None and len(seq.output_ids) == 1
-                self._deliver(handle, Update(seq.text, now, Report.of(seq), out, index=seq.index,
-                                             logprobs=tuple(seq.logprobs[-1:]) if seq.logprobs else (),
-                                             prompt_logprobs=tuple(seq.prompt_logprobs) if first else None))
+            self._publish(touched)
+
+    def _add_arrivals(self) -> None:
+        while not self.arrivals.empty():
+            self.arrivals.get()()
+
+    def _between_layers(self) -> None:
+        """Called by the engine before each layer of a step: add the requests that arrived meanwhile, and let
+        the engine run those it can in a lane step now. A failed lane step fails its own requests only."""
+        if self.arrivals.empty():
+            return
+        self._add_arrivals()
+        try:
+            touched = self.engine.lane_step()
+        except StepFailed as e:
+            log.exception("engine lane step failed")
+            self._fail(e.seqs)
+            return
+        self._publish(touched)
+
+    def _fail(self, seqs: list[Sequence]) -> None:
+        """Abort these sequences' requests (all of each request's samples) and tell their handlers."""
+        failed = {s.id for s in seqs}
+        handles = {id(h): h for sid, h in self.live.items() if sid in failed}
+        for handle in handles.values():
+            for seq in handle.seqs:
+                self.engine.abort(seq)
+                self.live.pop(seq.id, None)
+            self._deliver(handle, Update("", time.monotonic(), error="internal engine error", internal=True))
+
+    def _publish(self, touched: list[Sequence]) -> None:
+        """Hand the sequences' new tokens (and, when done, their outputs) to their handlers."""
+        now = time.monotonic()
+        for seq in touched:
+            handle = self.live.get(seq.id)
+            if handle is None:
+                continue
+            out = None
+            if seq.finish_reason is not None:
+                out = self.engine.output(seq)
+                del self.live[seq.id]
+            # one token per step: the last logprob is this update's
+            first = seq.prompt_logprobs is not None and len(seq.output_ids) == 1
+            self._deliver(handle, Update(seq.text, now, Report.of(seq), out, index=seq.index,
+                                         logprobs=tuple(seq.logprobs[-1:]) if seq.logprobs else (),
+                                         prompt_logprobs=tuple(seq.prompt_logprobs) if first else None))
 
     def _deliver(self, handle: Handle, update: Update) -> None:
         self.loop.call_soon_threadsafe(handle.updates.put_nowait, update)

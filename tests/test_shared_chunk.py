@@ -1,0 +1,125 @@
+"""--shared-chunk: how a tenant's long prompts make way for another tenant's short request. Each tenant's prefill
+is capped per step while another is active; a step that gives a request its first token carries no unfinished
+prefill chunk (every other step at most); and a short request that arrives during a step runs inside it, before
+one of its layers (once a step). Outputs are those of a run without any of this."""
+from prefixcache import LLM, CacheScope, SamplingParams
+from prefixcache.engine.engine import StepFailed
+from prefixcache.engine.sequence import Sequence, Status
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+A = [list(range(100 + 400 * i, 400 + 400 * i)) for i in range(2)]  # tenant a's long prompts
+B = list(range(9000, 9020))  # tenant b's short one
+
+
+def _finish(llm: LLM, seqs: list[Sequence]) -> list[tuple[list[int], float]]:
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    return [(o.token_ids, o.cumulative_logprob) for o in map(llm.engine.output, seqs)]
+
+
+def test_the_cap_and_the_first_token_step(tiny_model):
+    """With shared_chunk 32 and b active: b's request gets the first step to itself, the next gives a's prompts 32
+    tokens between them; a alone takes the whole step budget; outputs equal those without a cap."""
+    def run(shared_chunk: int, with_b: bool) -> tuple[list[int], list]:
+        llm = LLM(model=tiny_model, shared_chunk=shared_chunk, enable_prefix_cache=False)
+        seqs = [llm.engine.add_request(p, PARAMS, CacheScope(tenant="a")) for p in A]
+        if with_b:
+            seqs.append(llm.engine.add_request(B, PARAMS, CacheScope(tenant="b")))
+        computed = []  # a's prefill tokens after each of the first two steps
+        for _ in range(2):
+            llm.engine.step()
+            computed.append(sum(s.num_computed for s in seqs[:2]))
+        assert not with_b or seqs[2].output_ids  # b's whole prompt ran in the first step
+        return computed, _finish(llm, seqs)
+
+    capped, capped_out = run(32, True)
+    alone, alone_out = run(32, False)
+    free, free_out = run(0, True)
+    assert capped == [0, 32] and alone[0] == 512 and free[0] > 400
+    assert capped_out[:2] == alone_out == free_out[:2] and capped_out[2] == free_out[2]
+
+
+def test_first_token_steps_alternate_with_the_others(tiny_model):
+    """Two tenants' short requests arriving one step apart: the first gets a step of its own, the second shares
+    the next step with a's chunk (a long prompt is never held back two steps in a row)."""
+    llm = LLM(model=tiny_model, shared_chunk=32, enable_prefix_cache=False)
+    a = llm.engine.add_request(A[0], PARAMS, CacheScope(tenant="a"))
+    llm.engine.add_request(B, PARAMS, CacheScope(tenant="b"))
+    llm.engine.step()
+    assert a.num_computed == 0
+    c = llm.engine.add_request(list(range(7000, 7010)), PARAMS, CacheScope(tenant="c"))
+    llm.engine.step()
+    assert a.num_computed > 0 and c.output_ids
+
+
+def test_short_requests_run_inside_the_step_under_way(tiny_model):
+    """b's and c's requests (a cached prefix and 8 new tokens each) arrive while a's step runs: they are computed
+    before the step's next layer, in one lane step, and get their first tokens before it ends. e's arrives next
+    and waits: one lane step a step. d's, with 100 tokens (more than shared_chunk), is never a lane's. Every output equals a run without lanes, and a's step computes what it planned."""
+    prefix = list(range(5000, 5064))
+    prompts = {"b": prefix + B[:8], "c": prefix + B[8:16], "e": prefix + list(range(7000, 7008)),
+               "d": prefix + list(range(6000, 6100))}
+    llm = LLM(model=tiny_model, shared_chunk=32)
+    _finish(llm, [llm.engine.add_request(prefix + [1], PARAMS, CacheScope(tenant="b"))])  # b caches its prefix
+    a = llm.engine.add_request(A[0], PARAMS, CacheScope(tenant="a"))
+    arrivals, seqs, lanes = [["b", "c"], ["e"], ["d"]], {}, []
+
+    def between() -> None:  # what the server's worker does before each layer
+        if arrivals:
+            for name in arrivals.pop(0):
+                seqs[name] = llm.engine.add_request(prompts[name], PARAMS, CacheScope(tenant="b"))
+            lanes.append(sorted(s.id for s in llm.engine.lane_step()))
+
+    llm.engine.step(between)  # a's first 32 tokens (b is active); the tiny model has two layers
+    assert lanes == [sorted([seqs["b"].id, seqs["c"].id]), []] and a.num_computed == 32
+    assert seqs["b"].output_ids and seqs["c"].output_ids and not seqs["e"].output_ids
+    assert seqs["b"].cache.num_cached == len(prefix)
+    llm.engine.step(between)  # e runs in this step's batch; d arrives: 100 tokens are more than a lane takes
+    assert lanes[-1] == [] and seqs["e"].output_ids and not seqs["d"].output_ids
+    out = _finish(llm, [a, *(seqs[k] for k in "bced")])
+
+    cold = LLM(model=tiny_model, enable_prefix_cache=False)
+    expected = [cold.generate([p], PARAMS)[0] for p in (A[0], *(prompts[k] for k in "bced"))]
+    assert out == [(o.token_ids, o.cumulative_logprob) for o in expected]
+
+
+def test_no_lane_without_shared_chunk(tiny_model):
+    llm = LLM(model=tiny_model)
+    llm.engine.add_request(A[0], PARAMS, CacheScope(tenant="a"))
+    b = llm.engine.add_request(B, PARAMS, CacheScope(tenant="b"))
+    lanes = []
+    llm.engine.step(lambda: lanes.append(llm.engine.lane_step()))
+    assert lanes == [[], []] and b.output_ids  # b ran in the step's own batch
+
+
+def test_a_failing_lane_step_fails_its_requests_only(tiny_model):
+    """A fault injected into the lane's forward: StepFailed names b alone, b's blocks are freed, and a's step goes on
+    to the output it has without the fault."""
+    llm = LLM(model=tiny_model, shared_chunk=32, enable_prefix_cache=False)
+    engine, run = llm.engine, llm.engine.runner.run
+    free = engine.pool.num_free
+    a = engine.add_request(A[0], PARAMS, CacheScope(tenant="a"))
+    failed = []
+
+    def failing(plan, *args):
+        if any(seq.tokens[:len(B)] == B for seq, _ in plan):
+            raise RuntimeError("injected fault")
+        return run(plan, *args)
+
+    def between() -> None:
+        if failed:
+            return
+        b = engine.add_request(B, PARAMS, CacheScope(tenant="b"))
+        try:
+            engine.lane_step()
+        except StepFailed as e:
+            failed.extend(e.seqs)
+        assert failed == [b] and b.status is Status.FINISHED
+
+    engine.runner.run = failing
+    engine.step(between)
+    assert failed and a.num_computed > 0
+    out = _finish(llm, [a])
+    assert engine.pool.num_free == free
+    cold = LLM(model=tiny_model, enable_prefix_cache=False).generate([A[0]], PARAMS)[0]
+    assert out == [(cold.token_ids, cold.cumulative_logprob)]
