@@ -37,8 +37,9 @@ class Config:
     default_ttl: float | None = None  # seconds; None keeps automatic entries until evicted
     shared_prefixes: list[list[int]] = field(default_factory=list)  # token prefixes shared by all tenants
     log_cross_scope_misses: bool = False  # operator log: flag misses whose next block another scope holds
-    shared_chunk: int = 0  # while several tenants are active, each one's prefill tokens per step (0: no cap); small
-    # values keep steps short for other tenants' first tokens, at the cost of the long prompts' throughput
+    shared_chunk: int = 0  # while several tenants are active, each one's prefill tokens per step (0: off); and a
+    # request needing at most this many tokens runs inside the step under way (Engine.lane_step). Small values keep
+    # other tenants' first tokens fast, at the cost of the long prompts' throughput
     fairness_steps: int = 32  # a waiting request is admitted first once it has been passed over this often
     speculative: str = "off"  # draft tokens from: off | prompt (lookup in the request) | answers (the scope's
     # recent outputs) | both; every draft is verified, so greedy output is bit-identical (engine/drafter.py)

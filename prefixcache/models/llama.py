@@ -69,7 +69,8 @@ class Llama:
         results = attention.empty_results(plan, n + pad, c.num_heads, c.head_dim, x.dtype)
         for i, L in enumerate(self.layers):
             if between:
-                between()
+                with torch.inference_mode(False):  # as outside any forward: it may create requests' own tensors
+                    between()
             qkv = self._rows(_norm_linear, x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
             q = qkv[:, :nq].view(-1, c.num_heads, c.head_dim)
             k = qkv[:, nq:nq + nkv].view(-1, c.num_kv_heads, c.head_dim)
