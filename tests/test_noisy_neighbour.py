@@ -14,7 +14,8 @@ from prefixcache.bench.noisy import Setup, measure, p90
 CHUNK = 32
 
 
-@pytest.mark.parametrize("shared_chunk,threads", [(0, 1), (CHUNK, 1), (CHUNK, 2)])
+@pytest.mark.parametrize("shared_chunk,threads", [(0, 1), (CHUNK, 1), pytest.param(CHUNK, 2, marks=pytest.mark.skipif(
+    not LONG, reason="a figure for the long form's report, beside the one thread's"))])
 def test_a_flooding_tenant_neither_evicts_nor_starves_another(tiny_model, figures, shared_chunk, threads):
     r = measure(Setup(tiny_model, shared_chunk, threads, kv_cache_bytes=8 * 2**20,  # 1,023 blocks
                       rounds=4 if LONG else 2, n=15 if LONG else 10))
