@@ -55,7 +55,8 @@ def test_first_token_steps_alternate_with_the_others(tiny_model):
 def test_short_requests_run_inside_the_step_under_way(tiny_model):
     """b's and c's requests (a cached prefix and 8 new tokens each) arrive while a's step runs: they are computed
     before the step's next layer, in one lane step, and get their first tokens before it ends. e's arrives next
-    and waits: one lane step a step. d's, with 100 tokens (more than shared_chunk), is never a lane's. Every output equals a run without lanes, and a's step computes what it planned."""
+    and waits: one lane step a step. d's, with 100 tokens (more than shared_chunk), is never a lane's. Every
+    output equals a run without lanes, and a's step computes what it planned."""
     prefix = list(range(5000, 5064))
     prompts = {"b": prefix + B[:8], "c": prefix + B[8:16], "e": prefix + list(range(7000, 7008)),
                "d": prefix + list(range(6000, 6100))}

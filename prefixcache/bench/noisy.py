@@ -156,7 +156,8 @@ def main() -> None:
     with open(f"{args.out}/noisy.json", "w") as f:
         json.dump({"cpu": str(cpu), "runs": runs}, f, indent=1)
     s = runs[0]["setup"]
-    lines = ["# Noisy neighbour", "", f"{cpu.model} ({' '.join(cpu.simd)}), {cpu.threads} threads; model {os.path.basename(model)}. "
+    lines = ["# Noisy neighbour", "", f"{cpu.model} ({' '.join(cpu.simd)}), {cpu.threads} threads; model "
+             f"{os.path.basename(model)}. "
              f"{s['flooders']} clients of tenant a flood unique {s['flood_tokens']}-token prompts; tenant b sends "
              f"its {s['hot']}-token prefix plus {s['new']} new tokens, {s['n']} requests a phase, {s['rounds']} "
              "quiet and flooded phases alternating. `python -m prefixcache.bench.noisy`.", "",

@@ -37,8 +37,8 @@ class ModelRunner:
             n_prompt = min(start + m, seq.num_prompt - 1) - start
             if seq.prompt_logprobs is not None and n_prompt > 0:
                 prompt_rows[seq.id] = (start, first, first + n_prompt)
-        hidden = self.model.forward(Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), queries), self.pool,
-                                   between)
+        batch = Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), queries)
+        hidden = self.model.forward(batch, self.pool, between)
         head = hidden[rows]
         logits = torch.cat([self.model.logits(head[i:i + self.head_rows])
                             for i in range(0, len(rows), self.head_rows)]) if rows else None
