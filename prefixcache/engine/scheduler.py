@@ -77,8 +77,7 @@ class Scheduler:
             if not self.blocks.admit(seq, m):
                 break  # the head of the queue waits for memory rather than being overtaken forever
             self.waiting.remove(seq)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            self.adopt(seq)
             n = shares.allow(seq, min(seq.num_uncomputed, budget))
             plan.append((seq, n))
             budget -= n
@@ -101,8 +100,7 @@ class Scheduler:
             if self._waits_for_inflight(seq, m) or not self.blocks.admit(seq, m):
                 continue
             self.waiting.remove(seq)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            self.adopt(seq)
             plan.append((seq, seq.num_uncomputed))
             budget -= seq.num_uncomputed
         return plan
@@ -113,7 +111,8 @@ class Scheduler:
         return len(self.running) + sum(len(seq.forks) for seq in self.running)
 
     def adopt(self, seq: Sequence) -> None:
-        """Run a sample that starts from another's computed prompt (its blocks are set: BlockManager.fork)."""
+        """Run a sequence whose blocks are set: just admitted, or a sample that starts from another's computed
+        prompt (BlockManager.fork)."""
         seq.status = Status.RUNNING
         self.running.append(seq)
 
