@@ -70,22 +70,17 @@ def generate_with_logits(llm, prompts, params=GREEDY, **kwargs):
     speculative decoding) verified against a draft (per request, stacked)."""
     seen: dict[int, list[torch.Tensor]] = {}
     sampler = llm.engine.sampler
-    sample, verify = sampler.sample, sampler.verify
+    sample = sampler.sample
 
-    def recording_sample(logits, seqs):
-        for row, seq in zip(logits, seqs):
-            seen.setdefault(seq.id, []).append(row.clone())
-        return sample(logits, seqs)
-
-    def recording_verify(row, seq, draft):
+    def recording_sample(row, seq):
         seen.setdefault(seq.id, []).append(row.clone())
-        return verify(row, seq, draft)
+        return sample(row, seq)
 
-    sampler.sample, sampler.verify = recording_sample, recording_verify
+    sampler.sample = recording_sample
     try:
         outs = llm.generate(prompts, params, **kwargs)
     finally:
-        sampler.sample, sampler.verify = sample, verify
+        sampler.sample = sample
     return outs, [torch.stack(seen[o.request_id]) for o in outs]
 
 

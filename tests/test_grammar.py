@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from prefixcache.cache.scope import CacheScope
 from prefixcache.config import default_model_path
 from prefixcache.engine.grammar import Grammars, Guide
 from prefixcache.models.loader import converted_folder
@@ -19,9 +20,13 @@ def grammars():
     return tok, Grammars(tok, VOCAB, EOS)
 
 
+def _matcher(g: Grammars, guide: Guide):
+    return g.matcher(g.compile(CacheScope(), guide).result())
+
+
 def _greedy_walk(tok, grammars, guide: Guide, scores: torch.Tensor, limit: int = 64) -> str:
     """Follow the highest-scoring allowed token until the grammar ends: what greedy decoding would emit."""
-    m, ids = grammars.matcher(guide), []
+    m, ids = _matcher(grammars, guide), []
     for _ in range(limit):
         logits = scores.clone()
         m.mask(logits)
@@ -48,7 +53,7 @@ def test_walks_end_in_text_the_guide_accepts(grammars, seed):
 
 def test_the_mask_forbids_and_allows(grammars):
     tok, g = grammars
-    m = g.matcher(Guide("choice", json.dumps(["yes", "no"])))
+    m = _matcher(g, Guide("choice", json.dumps(["yes", "no"])))
     logits = torch.zeros(VOCAB)
     m.mask(logits)
     allowed = torch.isfinite(logits).nonzero().flatten().tolist()
@@ -59,9 +64,9 @@ def test_the_mask_forbids_and_allows(grammars):
 def test_bad_guides_are_value_errors(grammars):
     _, g = grammars
     with pytest.raises(ValueError, match="json_schema"):
-        g.matcher(Guide("json_schema", "{not json"))
+        _matcher(g, Guide("json_schema", "{not json"))
     with pytest.raises(ValueError, match="regex"):
-        g.matcher(Guide("regex", "(unclosed"))
+        _matcher(g, Guide("regex", "(unclosed"))
     with pytest.raises(ValueError, match="guide kind"):
         Guide("yaml")
 

@@ -22,7 +22,7 @@ def seq(prompt: list[int], output: list[int], **params) -> Sequence:
 
 
 def penalize(s: Sequence, logits=LOGITS) -> list[float]:
-    return Sampler([EOS]).penalize(torch.tensor([logits]), [s])[0].tolist()
+    return Sampler([EOS]).penalize(torch.tensor(logits), s).tolist()
 
 
 def test_frequency_and_presence_penalties_count_output_tokens_only():
@@ -47,20 +47,14 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
     assert penalize(seq([5], [1, 2], min_tokens=2, stop_token_ids=[4])) == LOGITS
 
 
-def test_penalties_are_batched_row_by_row():
-    rows = [seq([0, 1], [3], repetition_penalty=2.0, frequency_penalty=0.5), seq([5], []),
-            seq([5], [1, 1], presence_penalty=1.5, logit_bias={2: 1})]
-    logits = torch.tensor([LOGITS, [x * 3 for x in LOGITS], [x - 1 for x in LOGITS]])
-    batched = Sampler([EOS]).penalize(logits, rows)
-    assert torch.equal(batched[1], logits[1])
-    for i, s in enumerate(rows):
-        assert torch.equal(batched[i], Sampler([EOS]).penalize(logits[i:i + 1], [s])[0])
-    assert batched[0].tolist() == [-4.0, 1.0, 3.0, -2.0 - 0.5, 0.5, 6.0]
+def test_a_row_without_penalties_is_returned_untouched():
+    logits = torch.tensor(LOGITS)
+    assert Sampler([EOS]).penalize(logits, seq([0, 1], [3])) is logits
 
 
 def test_logprobs_are_of_the_raw_logits_before_biases_and_penalties():
     s = seq([5], [], temperature=0.0, logit_bias={4: 100}, logprobs=2)
-    token, lp = Sampler([EOS]).sample(torch.tensor([LOGITS]), [s])[0]
+    token, lp = Sampler([EOS]).sample(torch.tensor(LOGITS), s)
     raw = torch.log_softmax(torch.tensor(LOGITS), dim=-1)
     assert token == 4 and lp.logprob == raw[4].item()
     assert lp.top == ((5, raw[5].item()), (2, raw[2].item()))

@@ -5,8 +5,8 @@ Two sources, tried in this order:
   MIN_NGRAM) in its own tokens (prompt, cached prefix included, and output so far) proposes what followed them;
 - answer reuse: the same lookup in the recent finished outputs of the request's own CacheScope. A scope's table
   is never read by another scope: acceptance shows in timing, so a shared table would tell one tenant another's
-  answers. Each table keeps its scope's last ANSWER_TOKENS output tokens; past MAX_SCOPES tables, the least
-  recently used one goes.
+  answers. Each table keeps its scope's last ANSWER_TOKENS output tokens; past MAX_SCOPES tables of one owner
+  (tenant and labels: salts make scopes), that owner's least recently used one goes, so no tenant evicts another's.
 The engine verifies every draft in one forward and keeps only what the model itself would have produced.
 """
 from collections import OrderedDict
@@ -19,7 +19,7 @@ METHODS = ("off", "prompt", "answers", "both")
 MAX_DRAFT = 16  # the cap on num_speculative_tokens
 MIN_NGRAM, MAX_NGRAM = 2, 4
 ANSWER_TOKENS = 1 << 15
-MAX_SCOPES = 4096
+MAX_SCOPES = 256  # answer tables per owner
 SEPARATOR = -1  # between answers in a table: no n-gram spans two answers
 
 
@@ -31,7 +31,7 @@ class Drafter:
             raise ValueError(f"num_speculative_tokens must be in [0, {MAX_DRAFT}], got {num_tokens}")
         self.method = method
         self.num_tokens = num_tokens
-        self.tables: OrderedDict[bytes, tuple[CacheScope, np.ndarray]] = OrderedDict()
+        self.tables: dict[tuple, OrderedDict[bytes, np.ndarray]] = {}  # owner -> scope key -> recent answers
 
     @property
     def enabled(self) -> bool:
@@ -42,9 +42,10 @@ class Drafter:
         ids = np.asarray(tokens)
         if self.method in ("prompt", "both") and (draft := _lookup(ids, ids, k)):
             return draft
-        if self.method in ("answers", "both") and (entry := self.tables.get(scope.key)):
-            self.tables.move_to_end(scope.key)
-            return _lookup(entry[1], ids, k)
+        tables = self.tables.get(scope.owner, {})
+        if self.method in ("answers", "both") and (table := tables.get(scope.key)) is not None:
+            tables.move_to_end(scope.key)
+            return _lookup(table, ids, k)
         return []
 
     def record(self, scope: CacheScope, tokens: list[int], num_output: int) -> None:
@@ -52,15 +53,15 @@ class Drafter:
         first output token on), for its scope's later requests."""
         if self.method not in ("answers", "both") or not num_output:
             return
-        old = self.tables.pop(scope.key, (scope, np.empty(0, dtype=np.int64)))[1]
+        tables = self.tables.setdefault(scope.owner, OrderedDict())
+        old = tables.pop(scope.key, np.empty(0, dtype=np.int64))
         answer = tokens[-(num_output + MAX_NGRAM):]
-        self.tables[scope.key] = (scope, np.concatenate([old, answer, [SEPARATOR]])[-ANSWER_TOKENS:])
-        while len(self.tables) > MAX_SCOPES:
-            self.tables.popitem(last=False)
+        tables[scope.key] = np.concatenate([old, answer, [SEPARATOR]])[-ANSWER_TOKENS:]
+        while len(tables) > MAX_SCOPES:
+            tables.popitem(last=False)
 
     def purge_tenant(self, tenant: str, labels: tuple[str, ...]) -> None:
-        for key in [k for k, (s, _) in self.tables.items() if s.tenant == tenant and s.labels == labels]:
-            del self.tables[key]
+        self.tables.pop((tenant, labels), None)
 
 
 def _lookup(source: np.ndarray, tokens: np.ndarray, k: int) -> list[int]:

@@ -1,11 +1,12 @@
 """The engine: one owner of all mutable state (pool, cache, queues). Callers add requests and call step()."""
 import dataclasses
+import logging
 import os
 import socket
 import statistics
 import time
 from collections import deque
-from functools import cached_property
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Callable
 
 import torch
@@ -23,19 +24,22 @@ from prefixcache.engine.detokenizer import Detokenizer
 from prefixcache.engine.drafter import Drafter
 from prefixcache.engine.grammar import Grammars
 from prefixcache.engine.runner import ModelRunner
-from prefixcache.engine.sampler import Sampler, logprobs
+from prefixcache.engine.sampler import RowFault, Sampler, logprobs
 from prefixcache.engine.scheduler import Scheduler
 from prefixcache.engine.speculation import Speculation
-from prefixcache.engine.sequence import RequestOutput, SamplingParams, Sequence, Status, TokenLogprob
+from prefixcache.engine.sequence import Fault, RequestOutput, SamplingParams, Sequence, Status, TokenLogprob
 from prefixcache.models.exactness import probe
 from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
 
 TTFT_WINDOW = 1024  # recent requests whose time to first token stats() summarizes
 
+log = logging.getLogger("prefixcache.engine")
+
 
 class StepFailed(Exception):
-    """An engine step raised; its sequences, listed here, were aborted."""
+    """An engine step's forward raised; its sequences, listed here, were aborted. (A fault in one sequence's own
+    work fails that sequence alone: Sequence.fault.)"""
 
     def __init__(self, seqs: list[Sequence]):
         super().__init__(f"engine step failed for {len(seqs)} sequences")
@@ -67,6 +71,7 @@ class Engine:
         self.exactness = model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, self.pool, config.max_num_seqs)
         self.sampler = Sampler(self.model_config.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.speculation = Speculation(Drafter(config.speculative, config.num_speculative_tokens), self.sampler,
                                        self.blocks, config.num_speculative_tokens, config.max_batch_tokens,
                                        self.max_model_len)
@@ -97,27 +102,29 @@ class Engine:
             raise ValueError(f"n and best_of must be at most {self.config.max_num_seqs} (max_num_seqs)")
         samples = [Sequence(prompt, params.sample(i), self.scope(scope), list(breakpoints), priority)
                    for i in range(params.num_samples)]
+        grammar = self.grammars.compile(samples[0].scope, params.guide) if params.guide else None
         for i, seq in enumerate(samples):
-            seq.index, seq.samples = i, samples
+            seq.index, seq.samples, seq.grammar = i, samples, grammar
             seq.detok = Detokenizer(self.tokenizer)
             seq.draft_len = self.config.num_speculative_tokens if self.speculation.applies(seq) else 0
-            if params.guide:
-                seq.matcher = self.grammars.matcher(params.guide)
         seq = samples[0]
         seq.forks = samples[1:]  # they start from its blocks once its prompt is computed
         self.scheduler.add(seq)
         return seq
 
     def step(self, between: Callable[[], None] | None = None) -> list[Sequence]:
-        """Run one batch; returns the sequences that received a token or finished. If the batch fails, its
-        sequences are aborted (their blocks freed) and StepFailed names them; the others are untouched.
-        `between` is called before each layer of the forward; it may call lane_step()."""
+        """Run one batch; returns the sequences that received a token, finished or failed (Sequence.fault: that
+        request alone failed; every other sequence goes on). If the forward fails, its sequences are aborted (their
+        blocks freed) and StepFailed names them. `between` is called before each layer of the forward; it may call
+        lane_step()."""
+        failed = self._compiled()
         plan = self.scheduler.schedule()
-        if not plan:  # nothing runnable: give lookups in the KV tiers a moment rather than spin
+        if not plan:  # nothing runnable: give lookups in the KV tiers and grammars a moment rather than spin
             self.blocks.wait_for_lookups(self.scheduler.waiting)
-            return []
+            wait([s.grammar for s in self.scheduler.waiting if s.grammar], 0.002, FIRST_COMPLETED)
+            return failed
         self.lane_open = True
-        return self._guarded(plan, between)
+        return failed + self._guarded(plan, between)
 
     def lane_step(self) -> list[Sequence]:
         """Inside a step, before one of its layers: run the waiting requests that Scheduler.lane() lets through
@@ -131,50 +138,89 @@ class Engine:
         return self._guarded(plan, None)
 
     def _guarded(self, plan: list[tuple[Sequence, int]], between: Callable[[], None] | None) -> list[Sequence]:
+        drafts = self.speculation.drafts(plan)  # appended to their sequences' tokens for this forward only
+        plan = [(seq, n + len(drafts.get(seq.id, ()))) for seq, n in plan]
         try:
-            return self._run(plan, between)
+            logits, prompt_hidden = self.runner.run(plan, set(drafts), between)
         except Exception as e:
             seqs = [seq for seq, _ in plan]
             for seq in seqs:
                 self.abort(seq)
             raise StepFailed(seqs) from e
-
-    def _run(self, plan: list[tuple[Sequence, int]], between: Callable[[], None] | None) -> list[Sequence]:
-        drafts = self.speculation.drafts(plan)  # appended to their sequences' tokens for this forward only
-        plan = [(seq, n + len(drafts.get(seq.id, ()))) for seq, n in plan]
-        logits, prompt_hidden = self.runner.run(plan, set(drafts), between)
-        rows, touched, verify = [], [], []
+        touched = []
         for seq, n in plan:
-            if seq.id in drafts:  # unverified: the cache must never publish them
-                n -= len(drafts[seq.id])
-                del seq.tokens[-len(drafts[seq.id]):]
-            self.prompt_tokens_computed += max(0, min(seq.num_computed + n, seq.num_prompt) - seq.num_computed)
-            if seq.id in prompt_hidden:
-                self._prompt_logprobs(seq, *prompt_hidden[seq.id])
-            seq.num_computed += n
-            self.blocks.publish(seq)
-            if seq.id in drafts:
-                verify.append(seq)
-            elif seq.id in logits:
-                for s in [seq, *self._fork(seq)]:  # the samples of a request share its prompt's last logits
-                    rows.append(logits[seq.id][-1])
-                    touched.append(s)
-        batch = torch.stack(rows) if rows else None
-        for i, seq in enumerate(touched):
-            if seq.matcher:  # structured output: only tokens the grammar allows next
-                seq.matcher.mask(batch[i])
-        for seq, (token, logprob) in zip(touched, self.sampler.sample(batch, touched) if rows else []):
-            if seq.matcher:
-                seq.matcher.accept(token)
-            self._append(seq, token, logprob)
-        for seq in verify:
-            self.speculation.verify(seq, logits[seq.id], drafts[seq.id], self._append)
-        return touched + verify
+            draft = drafts.get(seq.id, [])
+            if draft:  # unverified: the cache must never publish them
+                del seq.tokens[-len(draft):]
+            if seq.status is Status.FINISHED:  # another sample of its request failed in this step
+                continue
+            touched += self._isolated(seq, lambda: self._advance(seq, n - len(draft), logits.get(seq.id), draft,
+                                                                 prompt_hidden.get(seq.id)))
+        return touched
 
-    @cached_property
-    def grammars(self) -> Grammars:
-        """Structured output, built on the first guided request (its tokenizer tables take a moment)."""
-        return Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
+    def _advance(self, seq: Sequence, n: int, logits: torch.Tensor | None, draft: list[int],
+                 prompt_hidden: tuple[int, torch.Tensor] | None) -> list[Sequence]:
+        """After the forward: account the sequence's n computed tokens, then give it (and the samples that start
+        from its prompt) its next tokens. Returns the sequences touched."""
+        self.prompt_tokens_computed += max(0, min(seq.num_computed + n, seq.num_prompt) - seq.num_computed)
+        if prompt_hidden:
+            self._prompt_logprobs(seq, *prompt_hidden)
+        seq.num_computed += n
+        self.blocks.publish(seq)
+        if draft:
+            self.speculation.verify(seq, logits, draft, self._append)
+            return [seq]
+        if logits is None:
+            return []
+        touched = []
+        for s in [seq, *self._fork(seq)]:  # the samples of a request share its prompt's last logits
+            touched += self._isolated(s, lambda: self._next_token(s, logits[-1].clone()))
+        return touched
+
+    def _next_token(self, seq: Sequence, logits: torch.Tensor) -> list[Sequence]:
+        if seq.status is Status.FINISHED:  # another sample of its request failed in this step
+            return []
+        if seq.matcher:  # structured output: only tokens the grammar allows next
+            seq.matcher.mask(logits)
+        token, logprob = self.sampler.sample(logits, seq)
+        if seq.matcher:
+            seq.matcher.accept(token)
+        self._append(seq, token, logprob)
+        return [seq]
+
+    def _isolated(self, seq: Sequence, work: Callable[[], list[Sequence]]) -> list[Sequence]:
+        """Run one sequence's own work; if it raises, that request fails alone (all its samples) and the step goes
+        on. Returns what the work touched, or the failed request's samples."""
+        try:
+            return work()
+        except RowFault as e:
+            return self.fail(seq, e.fault)
+        except Exception:
+            log.exception("a sequence failed in its own work; its request fails alone")
+            return self.fail(seq, Fault("internal engine error", internal=True))
+
+    def fail(self, seq: Sequence, fault: Fault) -> list[Sequence]:
+        """Abort every sample of seq's request with this fault; returns them."""
+        for s in seq.samples:
+            if s.status is not Status.FINISHED:
+                s.fault = fault
+                self.abort(s)
+        return list(seq.samples)
+
+    def _compiled(self) -> list[Sequence]:
+        """Hand the waiting requests whose grammar has compiled their matchers; fail those whose guide does not
+        compile (a 400). Returns the failed ones."""
+        failed = []
+        for seq in list(self.scheduler.waiting):
+            if not (seq.grammar and seq.grammar.done()):
+                continue
+            if seq.grammar.exception():
+                e = seq.grammar.exception()
+                failed += self.fail(seq, Fault(str(e), internal=not isinstance(e, ValueError)))
+                continue
+            for s in [seq, *seq.forks]:
+                s.matcher, s.grammar = self.grammars.matcher(seq.grammar.result()), None
+        return failed
 
     def abort(self, seq: Sequence) -> None:
         if seq.status is Status.FINISHED:
@@ -186,7 +232,6 @@ class Engine:
             seq.status = Status.FINISHED
         else:
             self.scheduler.abort(seq)
-        self.sampler.forget(seq.id)
         for fork in seq.forks:  # samples that were to start from this prompt compute it themselves
             self.scheduler.add(fork)
         seq.forks = []
@@ -202,6 +247,7 @@ class Engine:
     def purge_tenant(self, tenant: str, labels: tuple[str, ...] = ()) -> int:
         """Drop the unreferenced entries of a tenant and label set under every salt; returns blocks freed."""
         self.speculation.drafter.purge_tenant(tenant, labels)
+        self.grammars.purge_tenant(tenant, labels)
         return self.blocks.purge_tenant(tenant, labels)
 
     def pin(self, prompt: list[int], scope: CacheScope | None = None, pinned: bool = True) -> int:
@@ -226,6 +272,7 @@ class Engine:
 
     def clear_cache(self) -> int:
         self.speculation.drafter.tables.clear()
+        self.grammars.clear()
         return self.blocks.clear()
 
     def close(self) -> None:
@@ -255,6 +302,7 @@ class Engine:
             logprobs=seq.logprobs and list(seq.logprobs),
             prompt_logprobs=seq.prompt_logprobs and list(seq.prompt_logprobs),
             accepted_draft_tokens=seq.accepted_draft_tokens, cached_by_tier=c.by_tier(),
+            error=seq.fault.message if seq.fault else None,
         )
 
     def stats(self) -> dict:
@@ -322,5 +370,4 @@ class Engine:
             seq.text += seq.detok.flush()
         seq.finish_time = now
         self.scheduler.finish(seq)
-        self.sampler.forget(seq.id)
         self.speculation.drafter.record(seq.scope, seq.tokens, len(seq.output_ids))

@@ -163,11 +163,12 @@ class Scheduler:
         """(request, its cache match): a request passed over `fairness_steps` times first; then round-robin over
         tenants (a request's turn: its tenant's running sequences plus the tenant's requests waiting ahead of it),
         so one tenant's flood of requests cannot starve another's; then the longest cached prefix, then arrival.
-        A request whose lookup in the KV tiers below memory still runs waits for it, without taking a turn."""
+        A request whose lookup in the KV tiers below memory, or whose grammar, is not ready waits for it, without
+        taking a turn."""
         turn = Counter(seq.scope.tenant for seq in self.running)
         order = []
         for seq in sorted(self.waiting, key=lambda s: s.arrival):
-            if not self.blocks.ready(seq):
+            if not self.blocks.ready(seq) or seq.grammar is not None:
                 continue
             order.append((seq, self.blocks.match(seq), turn[seq.scope.tenant]))
             turn[seq.scope.tenant] += 1

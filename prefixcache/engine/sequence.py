@@ -1,7 +1,8 @@
 """A request's state as it moves through the engine, and the parameters and output a caller sees."""
 import itertools
-from concurrent.futures import Future
+import secrets
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -63,6 +64,9 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        if self.guide and self.min_tokens:  # the grammar may end sooner: then no token would be allowed
+            raise ValueError("min_tokens cannot be combined with structured output (response_format, guided_regex, "
+                             "guided_choice or a forced tool call): the grammar may complete before min_tokens")
 
     @property
     def num_samples(self) -> int:
@@ -108,6 +112,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None for the first)
     accepted_draft_tokens: int = 0  # output tokens that came from verified speculative drafts
     cached_by_tier: dict[str, int] = field(default_factory=dict)  # cached_tokens by tier: L1, L2, L3
+    error: str | None = None  # why the request failed alone (finish_reason "abort"), if it did
 
 
 def best(outputs: list[RequestOutput], n: int) -> list[RequestOutput]:
@@ -144,6 +149,14 @@ class CacheState:
         return {"L1": max(0, cached - sum(loaded.values())), **loaded}
 
 
+@dataclass(frozen=True)
+class Fault:
+    """Why one sequence failed while the step went on for the others."""
+
+    message: str
+    internal: bool  # the engine's fault (a 500), not the request's (a 400)
+
+
 class Status(Enum):
     WAITING = 1
     RUNNING = 2
@@ -169,9 +182,13 @@ class Sequence:
         self.cache = CacheState()
         self.skipped = 0  # admission rounds this request was passed over
         self.finish_reason: str | None = None
+        self.fault: Fault | None = None  # set when this sequence failed alone (finish_reason "abort")
+        # the base of its random numbers: a token's draw depends only on it and the token's position
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.text = ""  # the output text (cut at a stop string)
         self.detok: Detokenizer | None = None  # set by the engine, which has the tokenizer
-        self.matcher: Matcher | None = None  # the guide's grammar state, if the request has one
+        self.grammar: Future | None = None  # the guide's compiled grammar (compiled off the engine thread)
+        self.matcher: Matcher | None = None  # the guide's grammar state, once the grammar is compiled
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

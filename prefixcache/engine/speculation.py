@@ -1,5 +1,6 @@
 """Speculation: speculative decoding inside the engine. Which requests draft, their drafts for a step (from the
 drafter, engine/drafter.py) and the check of the forward's rows against them (Sampler.verify)."""
+import logging
 from collections.abc import Callable
 
 import torch
@@ -8,6 +9,8 @@ from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.drafter import Drafter
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.sequence import Sequence, TokenLogprob
+
+log = logging.getLogger("prefixcache.engine")
 
 DRAFT_MISSES = 3  # a request stops drafting after this many drafts in a row with nothing accepted
 
@@ -25,8 +28,9 @@ class Speculation:
         return self.drafter.enabled and p.speculative and not (p.penalized or p.logprobs is not None or p.guide)
 
     def drafts(self, plan: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
-        """Draft tokens for the decoding sequences of the plan, within the step's token budget and the free KV
-        blocks (a draft never evicts cache entries); each is appended to its sequence's tokens."""
+        """Draft tokens for the decoding sequences of the plan, within the step's token budget; each is appended to
+        its sequence's tokens. A draft's blocks are made room for as any decode's are (evicting if need be), so
+        acceptance never depends on how much of the pool other tenants' entries hold."""
         budget = self.max_batch_tokens - sum(n for _, n in plan)
         drafts = {}
         for seq, n in plan:
@@ -34,8 +38,12 @@ class Speculation:
                 continue
             k = min(seq.draft_len, budget, seq.params.max_tokens - len(seq.output_ids) - 1,
                     self.max_model_len - len(seq.tokens) - 1)
-            draft = self.drafter.propose(seq.tokens, seq.scope, k) if k > 0 else []
-            if draft and self.blocks.grow(seq, 1 + len(draft), evict=False):
+            try:
+                draft = self.drafter.propose(seq.tokens, seq.scope, k) if k > 0 else []
+            except Exception:  # a fault in one sequence's drafting: it decodes on without speculation
+                log.exception("drafting failed; the sequence stops drafting")
+                seq.draft_len, draft = 0, []
+            if draft and self.blocks.grow(seq, 1 + len(draft)):
                 seq.tokens += draft
                 drafts[seq.id] = draft
                 budget -= len(draft)
@@ -45,14 +53,13 @@ class Speculation:
                append: Callable[[Sequence, int, TokenLogprob], None]) -> None:
         """Keep the longest prefix of the draft that the model itself produces, then the model's next token (each
         given to `append`). Row i of logits follows the sequence's last token and draft[:i]: computed in one
-        forward, the same bits as one step at a time, so greedy output is the one without speculation; sampled
-        output keeps its distribution."""
-        raw = torch.log_softmax(logits.float(), dim=-1)
+        forward, the same bits as one step at a time, and a sampled token's draw depends only on its position
+        (Sampler.pick), so the output is the one without speculation, greedy or seeded."""
         accepted = 0
         for i in range(len(draft) + 1):
             proposal = draft[i] if i < len(draft) else None
-            token = self.sampler.verify(logits[i], seq, proposal)
-            append(seq, token, TokenLogprob(token, raw[i, token].item()))
+            token, logprob = self.sampler.sample(logits[i], seq)
+            append(seq, token, logprob)
             if token != proposal or seq.finish_reason is not None:
                 break
             seq.num_computed += 1  # the accepted draft token's K/V, computed in this forward, stand

@@ -186,13 +186,18 @@ async def messages(request: Request, req: MessagesRequest, caller: Principal = D
             yield sse("message_start", {"message": {**message, "content": [], "stop_reason": None,
                                                     "stop_sequence": None, "usage": usage(gen)}})
             hold, opened = Holdback() if use else None, False  # with tools, the text block opens once text is sure
-            async for delta in gen.deltas():
-                text = hold.feed(delta.text) if hold else delta.text
-                if text or not (hold or opened):
-                    if not opened:
-                        yield sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-                        opened = True
-                    yield sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+            try:
+                async for delta in gen.deltas():
+                    text = hold.feed(delta.text) if hold else delta.text
+                    if text or not (hold or opened):
+                        if not opened:
+                            yield sse("content_block_start",
+                                      {"index": 0, "content_block": {"type": "text", "text": ""}})
+                            opened = True
+                        yield sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+            except ApiError as e:  # the request failed after its stream began: Anthropic's error event
+                yield f"event: error\ndata: {json.dumps(e.anthropic_body())}\n\n"
+                return
             held = hold.held if hold else ""
             blocks = tool_blocks(use, held)
             if not blocks and (held or not opened):

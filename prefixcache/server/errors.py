@@ -28,14 +28,18 @@ class ApiError(Exception):
         self.headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
 
     def openai(self) -> JSONResponse:
-        kind = OPENAI_TYPES.get(self.status, "invalid_request_error")
-        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}},
-                            self.status, self.headers)
+        return JSONResponse(self.openai_body(), self.status, self.headers)
 
     def anthropic(self) -> JSONResponse:
-        kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
-        return JSONResponse({"type": "error", "error": {"type": kind, "message": self.message}}, self.status,
-                            self.headers)
+        return JSONResponse(self.anthropic_body(), self.status, self.headers)
+
+    def openai_body(self) -> dict:
+        kind = OPENAI_TYPES.get(self.status, "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "invalid_request_error"),
+                                           "message": self.message}}
 
 
 def invalid(errors: list[dict]) -> ApiError:

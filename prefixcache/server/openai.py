@@ -326,11 +326,16 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
                 elif echo:
                     yield sse([choice(i, prompt_text, None, logprobs(i, prompt, gen.prompt_logprobs or []))])
             holds = [Holdback() if use else None for _ in range(params.n)]
-            async for d in gen.deltas():
-                lp = logprobs(d.index, [e.token for e in d.logprobs], d.logprobs)
-                text = holds[d.index].feed(d.text) if use else d.text
-                if text or lp:
-                    yield sse([choice(d.index, text, None, lp)])
+            try:
+                async for d in gen.deltas():
+                    lp = logprobs(d.index, [e.token for e in d.logprobs], d.logprobs)
+                    text = holds[d.index].feed(d.text) if use else d.text
+                    if text or lp:
+                        yield sse([choice(d.index, text, None, lp)])
+            except ApiError as e:  # the request failed after its stream began: say why, in the stream (as vLLM)
+                yield f"data: {json.dumps(e.openai_body())}\n\n"
+                yield "data: [DONE]\n\n"
+                return
             for i, out in enumerate(gen.outputs):
                 held = holds[i].held if use else ""
                 calls = tool_calls(held, streamed=True)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.scope import CacheScope
 from prefixcache.engine.engine import Engine, StepFailed
-from prefixcache.engine.sequence import RequestOutput, SamplingParams, Sequence, TokenLogprob
+from prefixcache.engine.sequence import Fault, RequestOutput, SamplingParams, Sequence, TokenLogprob
 
 log = logging.getLogger("prefixcache.engine")
 
@@ -191,31 +191,46 @@ class EngineWorker:
         self._publish(touched)
 
     def _fail(self, seqs: list[Sequence]) -> None:
-        """Abort these sequences' requests (all of each request's samples) and tell their handlers."""
-        failed = {s.id for s in seqs}
-        handles = {id(h): h for sid, h in self.live.items() if sid in failed}
-        for handle in handles.values():
-            for seq in handle.seqs:
-                self.engine.abort(seq)
-                self.live.pop(seq.id, None)
-            self._deliver(handle, Update("", time.monotonic(), error="internal engine error", internal=True))
+        """Abort these sequences' requests (all of each request's samples) and tell their handlers: with the
+        sequence's own fault if it has one, else as an internal error."""
+        for seq in seqs:
+            handle = self.live.get(seq.id)
+            if handle is None:
+                continue
+            for s in handle.seqs:
+                self.engine.abort(s)
+                self.live.pop(s.id, None)
+            fault = seq.fault or Fault("internal engine error", internal=True)
+            self._deliver(handle, Update("", time.monotonic(), error=fault.message, internal=fault.internal))
 
     def _publish(self, touched: list[Sequence]) -> None:
-        """Hand the sequences' new tokens (and, when done, their outputs) to their handlers."""
+        """Hand the sequences' new tokens (and, when done, their outputs) to their handlers; a request that failed
+        alone (Sequence.fault), or whose update cannot be built, gets its error."""
         now = time.monotonic()
         for seq in touched:
             handle = self.live.get(seq.id)
             if handle is None:
                 continue
-            out = None
-            if seq.finish_reason is not None:
-                out = self.engine.output(seq)
+            if seq.fault:
+                self._fail([seq])
+                continue
+            try:
+                update = self._update(seq, now)
+            except Exception:
+                log.exception("a request's update failed; it fails alone")
+                self._fail([seq])
+                continue
+            if update.output is not None:
                 del self.live[seq.id]
-            # one token per step: the last logprob is this update's
-            first = seq.prompt_logprobs is not None and len(seq.output_ids) == 1
-            self._deliver(handle, Update(seq.text, now, Report.of(seq), out, index=seq.index,
-                                         logprobs=tuple(seq.logprobs[-1:]) if seq.logprobs else (),
-                                         prompt_logprobs=tuple(seq.prompt_logprobs) if first else None))
+            self._deliver(handle, update)
+
+    def _update(self, seq: Sequence, now: float) -> Update:
+        out = self.engine.output(seq) if seq.finish_reason is not None else None
+        # one token per step: the last logprob is this update's
+        first = seq.prompt_logprobs is not None and len(seq.output_ids) == 1
+        return Update(seq.text, now, Report.of(seq), out, index=seq.index,
+                      logprobs=tuple(seq.logprobs[-1:]) if seq.logprobs else (),
+                      prompt_logprobs=tuple(seq.prompt_logprobs) if first else None)
 
     def _deliver(self, handle: Handle, update: Update) -> None:
         self.loop.call_soon_threadsafe(handle.updates.put_nowait, update)
