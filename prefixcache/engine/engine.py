@@ -218,8 +218,9 @@ class Engine:
                 e = seq.grammar.exception()
                 failed += self.fail(seq, Fault(str(e), internal=not isinstance(e, ValueError)))
                 continue
+            grammar = seq.grammar.result()
             for s in [seq, *seq.forks]:
-                s.matcher, s.grammar = self.grammars.matcher(seq.grammar.result()), None
+                s.matcher, s.grammar = self.grammars.matcher(grammar), None
         return failed
 
     def abort(self, seq: Sequence) -> None:
