@@ -1,7 +1,8 @@
 """No timing signal across scopes (CVE-2025-46570's class of leak): on a live server, tenant b's time to first
 token on a prefix tenant a has cached is distributed like its time on a fresh prefix (two-sample KS test), while
-the same test tells a's own hits from misses, so it has the power to fail."""
+the same test tells a's own hits from misses, so it has the power to fail. Likewise for compiled grammars."""
 import random
+import statistics
 import time
 
 import httpx
@@ -11,6 +12,9 @@ from server_fixtures import tiny_tenants_server
 
 N = 120 if LONG else 40  # requests per sample
 PROMPT = 1500  # tokens: the prefill a hit skips
+# Both KS checks at this level: b's check fails 1 run in 10,000 by chance (not 1 in 100), while a's own hits and
+# misses, whose times do not overlap, give p < 1e-15 at N = 40, so the control still has the power to fail.
+ALPHA = 1e-4
 
 
 def _ttft(client: httpx.Client, key: str, prompt: list[int]) -> float:
@@ -42,8 +46,42 @@ def test_another_tenants_cached_prefix_is_as_slow_as_a_fresh_one(tmp_path_factor
     control = ks_2samp(times["a hit"], times["a fresh"]).pvalue
     figures["timing across tenants"] = {"n_per_sample": N, "ks_p_across_tenants": across, "ks_p_own_hit_vs_miss":
                                         control}
-    assert control < 0.01, f"the test cannot see a real hit here (p = {control:.3g})"
-    assert across > 0.01, f"b's timing tells a's cache apart (p = {across:.3g})"
+    assert control < ALPHA, f"the test cannot see a real hit here (p = {control:.3g})"
+    assert across > ALPHA, f"b's timing tells a's cache apart (p = {across:.3g})"
+
+
+def _schema(tag: str) -> dict:
+    """A JSON schema that takes xgrammar a good fraction of a second to compile; `tag` makes it a new one."""
+    item = {"type": "object", "properties": {"mail": {"type": "string", "pattern": "[a-z]{3,9}@[a-z]+\\.com"},
+                                             "scores": {"type": "array", "items": {"type": "number"}, "minItems": 2},
+                                             "kind": {"enum": ["x", "y", tag]}}, "required": ["mail", "scores"]}
+    return {"type": "object", "properties": {f"{tag}_{i}": item for i in range(300)},
+            "required": [f"{tag}_{i}" for i in range(300)]}
+
+
+def test_a_grammar_another_tenant_compiled_is_compiled_again(tmp_path_factory, tiny_model):
+    """The grammar timing probe: tenant a asking with a schema tenant b used is as slow as with a fresh schema
+    (a compiles its own), while b's own repeat is fast, the control that shows the probe can tell."""
+    srv = tiny_tenants_server(tmp_path_factory, tiny_model)
+
+    def seconds(c: httpx.Client, key: str, schema: dict) -> float:
+        t = time.perf_counter()
+        r = c.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": "default", "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0,
+                         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+        assert r.status_code == 200, r.text
+        return time.perf_counter() - t
+
+    ratios, controls = [], []
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        seconds(c, "sk-a", _schema("warm"))
+        for trial in range(3):
+            used, fresh = _schema(f"used{trial}"), _schema(f"fresh{trial}")
+            first = seconds(c, "sk-b", used)
+            controls.append(statistics.median(seconds(c, "sk-b", used) for _ in range(3)) / first)
+            ratios.append(seconds(c, "sk-a", used) / seconds(c, "sk-a", fresh))
+    assert statistics.median(controls) < 0.3, f"b's own compiled grammar is not faster: {controls}"
+    assert statistics.median(ratios) > 0.6, f"a's request is faster on b's schema: {ratios}"
 
 
 def test_in_flight_deduplication_waits_only_within_the_scope(tiny_model):

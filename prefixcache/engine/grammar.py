@@ -3,9 +3,11 @@ xgrammar matcher that masks, row by row, the tokens the grammar does not allow n
 
 Compiled grammars outlive their request, so they are kept per scope (DESIGN.md, invariant 7): a tenant's request
 is fast only with a guide its own scope compiled before; a shared cache would tell it which schemas others use.
-Each owner (tenant and labels) keeps at most MAX_GRAMMARS of them in MAX_GRAMMAR_BYTES, least recently used out
-first, so no tenant can evict another's. Compiling runs on a thread of its own (xgrammar releases the GIL), while
-the engine serves everyone else; the request waits for it the way it waits for a tier lookup. Masking changes
+Each scope has an xgrammar compiler of its own, whose cache holds at most MAX_GRAMMAR_BYTES (xgrammar's cache also
+speeds up a single compile, 8x on a schema that repeats a sub-schema, so it stays on); an owner (tenant and labels)
+keeps MAX_SCOPES of them, least recently used out first, so no tenant can evict another's. Compiling runs on a
+thread of its own (xgrammar releases the GIL), while the engine serves everyone else; the request waits for it the
+way it waits for a tier lookup. Masking changes
 only which token is sampled, never a logit the model computed, so warm == cold holds for guided requests too.
 """
 import json
@@ -20,8 +22,8 @@ import xgrammar as xgr
 from prefixcache.cache.scope import CacheScope
 
 KINDS = ("json_object", "json_schema", "regex", "choice")
-MAX_GRAMMARS = 64  # compiled grammars kept per owner
-MAX_GRAMMAR_BYTES = 64 << 20  # and their memory, per owner
+MAX_SCOPES = 4  # scopes (salts) of one owner with compiled grammars kept
+MAX_GRAMMAR_BYTES = 64 << 20  # compiled grammars kept per scope (a 300-field schema compiles to about 22 MB)
 
 
 @dataclass(frozen=True)
@@ -42,31 +44,33 @@ class Grammars:
         self.vocab_size = vocab_size
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         # the tokenizer's tables take a moment: built at once, before any request can wait for them
-        self.compiler = self.thread.submit(_compiler, tokenizer, vocab_size, list(stop_token_ids))
-        self.cache: dict[tuple, OrderedDict[tuple[bytes, Guide], Future]] = {}  # owner -> (scope, guide) -> grammar
+        self.info = self.thread.submit(xgr.TokenizerInfo.from_huggingface, tokenizer, vocab_size=vocab_size,
+                                       stop_token_ids=list(stop_token_ids))
+        self.scopes: dict[tuple, OrderedDict[bytes, _Compiler]] = {}  # owner -> scope key -> its compiler
 
     def compile(self, scope: CacheScope, guide: Guide) -> Future:
-        """The compiled grammar of a guide for a request of this scope: a future, done at once if the scope compiled
-        it before. It raises ValueError if the schema or regex does not compile."""
-        entries = self.cache.setdefault(scope.owner, OrderedDict())
-        key = (scope.key, guide)
-        if key not in entries:
-            entries[key] = self.thread.submit(self._compile, guide)
-        entries.move_to_end(key)
-        self._bound(entries)
-        return entries[key]
+        """The compiled grammar of a guide for a request of this scope, as a future (soon done if the scope
+        compiled it before). It raises ValueError if the schema or regex does not compile."""
+        scopes = self.scopes.setdefault(scope.owner, OrderedDict())
+        compiler = scopes.setdefault(scope.key, _Compiler())
+        scopes.move_to_end(scope.key)
+        while len(scopes) > MAX_SCOPES:
+            scopes.popitem(last=False)
+        return self.thread.submit(self._compile, compiler, guide)
 
     def matcher(self, grammar: xgr.CompiledGrammar) -> "Matcher":
         return Matcher(xgr.GrammarMatcher(grammar), self.vocab_size)
 
     def purge_tenant(self, tenant: str, labels: tuple[str, ...]) -> None:
-        self.cache.pop((tenant, labels), None)
+        self.scopes.pop((tenant, labels), None)
 
     def clear(self) -> None:
-        self.cache.clear()
+        self.scopes.clear()
 
-    def _compile(self, guide: Guide) -> xgr.CompiledGrammar:
-        compiler = self.compiler.result()
+    def _compile(self, slot: "_Compiler", guide: Guide) -> xgr.CompiledGrammar:
+        if slot.compiler is None:  # made here: the tokenizer info is this thread's to wait for
+            slot.compiler = xgr.GrammarCompiler(self.info.result(), max_threads=1, cache_limit_bytes=MAX_GRAMMAR_BYTES)
+        compiler = slot.compiler
         try:
             if guide.kind in ("json_object", "json_schema"):
                 schema = guide.spec if guide.kind == "json_schema" else '{"type": "object"}'
@@ -77,19 +81,12 @@ class Grammars:
         except RuntimeError as e:  # xgrammar's error for a schema or pattern it cannot compile
             raise ValueError(f"cannot compile the {guide.kind} guide: {e}") from None
 
-    @staticmethod
-    def _bound(entries: OrderedDict) -> None:
-        """Drop the owner's least recently used grammars past its count and byte bounds (the newest stays)."""
-        def size(f: Future) -> int:
-            return f.result().memory_size_bytes if f.done() and not f.exception() else 0
-        while len(entries) > 1 and (len(entries) > MAX_GRAMMARS
-                                    or sum(size(f) for f in entries.values()) > MAX_GRAMMAR_BYTES):
-            entries.popitem(last=False)
 
+@dataclass
+class _Compiler:
+    """A scope's compiler, made on the grammar thread on its first guide."""
 
-def _compiler(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.GrammarCompiler:
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # the cache is ours, per scope
+    compiler: xgr.GrammarCompiler | None = None
 
 
 class Matcher:
