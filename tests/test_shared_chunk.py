@@ -1,7 +1,8 @@
-"""--shared-chunk: how a tenant's long prompts make way for another tenant's short request. Each tenant's prefill
-is capped per step while another is active; a step that gives a request its first token carries no unfinished
-prefill chunk (every other step at most); and a short request that arrives during a step runs inside it, before
-one of its layers (once a step). Outputs are those of a run without any of this."""
+"""--shared-chunk: how a tenant's long prompts make way for another tenant's short request. While two tenants have
+work, each one's prefill is capped per step except the one with the least engine time lately (a deficit round
+robin); a step that gives a request its first token carries no unfinished prefill chunk (every other step at
+most); and a short request that arrives during a step runs inside it, before one of its layers (once a step).
+Outputs are those of a run without any of this."""
 from prefixcache import LLM, CacheScope, SamplingParams
 from prefixcache.engine.engine import StepFailed
 from prefixcache.engine.sequence import Sequence, Status
@@ -17,16 +18,18 @@ def _finish(llm: LLM, seqs: list[Sequence]) -> list[tuple[list[int], float]]:
     return [(o.token_ids, o.cumulative_logprob) for o in map(llm.engine.output, seqs)]
 
 
-def test_the_cap_and_the_first_token_step(tiny_model):
-    """With shared_chunk 32 and b active: b's request gets the first step to itself, the next gives a's prompts 32
-    tokens between them; a alone takes the whole step budget; outputs equal those without a cap."""
+def test_the_cap_follows_engine_time_and_the_first_token_step(tiny_model):
+    """With shared_chunk 32: step 1 ties (no engine time yet), so both are capped and b's request gets the step to
+    itself; step 2 is a's in full (b has had engine time, a none); step 3 caps a again (a has had more, and b still
+    decodes): a's first prompt decodes, its second gets 32 tokens. a alone takes the whole step budget, and
+    outputs equal those without a cap."""
     def run(shared_chunk: int, with_b: bool) -> tuple[list[int], list]:
         llm = LLM(model=tiny_model, shared_chunk=shared_chunk, enable_prefix_cache=False)
         seqs = [llm.engine.add_request(p, PARAMS, CacheScope(tenant="a")) for p in A]
         if with_b:
             seqs.append(llm.engine.add_request(B, PARAMS, CacheScope(tenant="b")))
-        computed = []  # a's prefill tokens after each of the first two steps
-        for _ in range(2):
+        computed = []  # a's prefill tokens after each of the first three steps
+        for _ in range(3):
             llm.engine.step()
             computed.append(sum(s.num_computed for s in seqs[:2]))
         assert not with_b or seqs[2].output_ids  # b's whole prompt ran in the first step
@@ -35,8 +38,18 @@ def test_the_cap_and_the_first_token_step(tiny_model):
     capped, capped_out = run(32, True)
     alone, alone_out = run(32, False)
     free, free_out = run(0, True)
-    assert capped == [0, 32] and alone[0] == 512 and free[0] > 400
+    assert capped == [0, 511, 544] and alone[0] == 512 and free[0] > 400
     assert capped_out[:2] == alone_out == free_out[:2] and capped_out[2] == free_out[2]
+
+
+def test_a_tenant_that_sent_a_request_lately_caps_no_one_once_it_is_done(tiny_model):
+    """The trickle: b's small request finishes, then a's long prompts come: a runs uncapped (b has no work), where a
+    cap by recent activity held a to 32 tokens a step for seconds."""
+    llm = LLM(model=tiny_model, shared_chunk=32, enable_prefix_cache=False)
+    _finish(llm, [llm.engine.add_request(B, PARAMS, CacheScope(tenant="b"))])
+    a = llm.engine.add_request(A[0], PARAMS, CacheScope(tenant="a"))
+    llm.engine.step()
+    assert a.num_computed == len(A[0])
 
 
 def test_first_token_steps_alternate_with_the_others(tiny_model):
@@ -71,8 +84,8 @@ def test_short_requests_run_inside_the_step_under_way(tiny_model):
                 seqs[name] = llm.engine.add_request(prompts[name], PARAMS, CacheScope(tenant="b"))
             lanes.append(sorted(s.id for s in llm.engine.lane_step()))
 
-    llm.engine.step(between)  # a's first 32 tokens (b is active); the tiny model has two layers
-    assert lanes == [sorted([seqs["b"].id, seqs["c"].id]), []] and a.num_computed == 32
+    llm.engine.step(between)  # a's whole prompt (b has no work when it is planned); the tiny model has two layers
+    assert lanes == [sorted([seqs["b"].id, seqs["c"].id]), []] and a.num_computed == len(A[0])
     assert seqs["b"].output_ids and seqs["c"].output_ids and not seqs["e"].output_ids
     assert seqs["b"].cache.num_cached == len(prefix)
     llm.engine.step(between)  # e runs in this step's batch; d arrives: 100 tokens are more than a lane takes

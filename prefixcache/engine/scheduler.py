@@ -1,23 +1,21 @@
 """Continuous batching: which sequences run this step, and how many of their tokens."""
-import time
 from collections import Counter, deque
 
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.sequence import Sequence, Status
 
-
-ACTIVE_SECONDS = 2.0  # a tenant counts as active this long after it last added or finished a request
+USAGE_HALF_LIFE = 2.0  # seconds: how fast a tenant's engine time is forgotten (Scheduler.charge)
 
 
 class PrefillShares:
-    """One step's prefill tokens by tenant, each tenant's capped at `cap` (None: no cap). Decode rows (a sequence's
-    one uncomputed token) are never capped."""
+    """One step's prefill tokens by tenant, each tenant's capped at `cap` (None: no cap) except the `exempt` one's.
+    Decode rows (a sequence's one uncomputed token) are never capped."""
 
-    def __init__(self, cap: int | None):
-        self.cap, self.used = cap, Counter()
+    def __init__(self, cap: int | None, exempt: str | None = None):
+        self.cap, self.exempt, self.used = cap, exempt, Counter()
 
     def allow(self, seq: Sequence, n: int) -> int:
-        if self.cap is None or seq.num_uncomputed == 1:
+        if self.cap is None or seq.num_uncomputed == 1 or seq.scope.tenant == self.exempt:
             return n
         return max(0, min(n, self.cap - self.used[seq.scope.tenant]))
 
@@ -31,7 +29,7 @@ class Scheduler:
                  shared_chunk: int = 0):
         self.blocks = blocks
         self.shared_chunk = shared_chunk  # 0: off
-        self.active: dict[str, float] = {}  # tenant -> when it last added or finished a request (monotonic)
+        self.usage: dict[str, float] = {}  # tenant -> engine seconds, halved every USAGE_HALF_LIFE (charge)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.fairness_steps = fairness_steps
@@ -41,15 +39,15 @@ class Scheduler:
         self.last_was_lane = False  # the last step was a first-token step (see _first_token_lane)
 
     def add(self, seq: Sequence) -> None:
-        self.active[seq.scope.tenant] = time.monotonic()
         self.blocks.prepare(seq)
         self.blocks.prefetch(seq)
         self.waiting.append(seq)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to compute) pairs: decodes first, then prefill chunks, within the token budget. While
-        several tenants are active, each tenant's prefill tokens in a step are capped at `shared_chunk` (if set), so
-        that one tenant's long prompts keep steps short for the others' first tokens."""
+        several tenants have work, each tenant's prefill tokens in a step are capped at `shared_chunk` (if set),
+        except the one that has had the least engine time lately, so that one tenant's long prompts keep steps
+        short for the others' first tokens."""
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
         shares = self._prefill_shares()
@@ -126,8 +124,18 @@ class Scheduler:
         self.blocks.prefetch(seq)
         self.waiting.appendleft(seq)
 
+    def charge(self, plan: list[tuple[Sequence, int]], seconds: float) -> None:
+        """Charge a step's engine time to its tenants, by their share of its tokens; older charges fade."""
+        fade = 0.5 ** (seconds / USAGE_HALF_LIFE)
+        self.usage = {t: u * fade for t, u in self.usage.items() if u * fade > 1e-6}
+        tokens = Counter()
+        for seq, n in plan:
+            tokens[seq.scope.tenant] += n
+        total = sum(tokens.values())
+        for tenant, n in tokens.items():
+            self.usage[tenant] = self.usage.get(tenant, 0.0) + seconds * n / total
+
     def finish(self, seq: Sequence) -> None:
-        self.active[seq.scope.tenant] = time.monotonic()
         self.blocks.release(seq, finished=True)
         self.running.remove(seq)
         seq.status = Status.FINISHED
@@ -140,14 +148,16 @@ class Scheduler:
             seq.status = Status.FINISHED
 
     def _prefill_shares(self) -> "PrefillShares":
-        """This step's prefill caps: `shared_chunk` tokens a tenant while another tenant was active within
-        ACTIVE_SECONDS (a tenant sending one request after another stays active between them); else none."""
-        if not self.shared_chunk:
+        """This step's prefill caps (a deficit round robin over engine time): while two tenants or more have work
+        (running or waiting), `shared_chunk` tokens for each, except the one with the least engine time lately
+        (none on a tie); else none. A tenant that sends a small request now and then is capped only while its own
+        request is in the engine, and it caps the others only as long as it has had less than they."""
+        tenants = {s.scope.tenant for s in self.running} | {s.scope.tenant for s in self.waiting}
+        if not self.shared_chunk or len(tenants) < 2:
             return PrefillShares(None)
-        now = time.monotonic()
-        self.active = {t: at for t, at in self.active.items() if now - at < ACTIVE_SECONDS}
-        tenants = set(self.active) | {s.scope.tenant for s in self.running} | {s.scope.tenant for s in self.waiting}
-        return PrefillShares(self.shared_chunk if len(tenants) > 1 else None)
+        least = sorted(tenants, key=lambda t: self.usage.get(t, 0.0))
+        tie = self.usage.get(least[0], 0.0) == self.usage.get(least[1], 0.0)
+        return PrefillShares(self.shared_chunk, None if tie else least[0])
 
     def _first_token_lane(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """While tenants share the engine: a step that gives a request its first token carries no prefill chunk
