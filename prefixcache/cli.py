@@ -50,13 +50,15 @@ def cmd_route(args) -> None:
 
     import uvicorn
 
+    from prefixcache.cache.credentials import router_admin_key, redis_password
     from prefixcache.router.app import create_app
     from prefixcache.router.balance import Policy
     from prefixcache.router.config import RouterConfig
 
     policy = Policy(args.policy, args.min_match_fraction, args.balance_abs_threshold, args.balance_rel_threshold)
     cfg = RouterConfig(args.replica, args.host, args.port, args.redis_url, policy, args.health_interval,
-                       args.max_retries, args.max_body_bytes)
+                       args.max_retries, args.max_body_bytes, redis_password(args.redis_password_file),
+                       router_admin_key(args.admin_key_file))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check and forwarded request
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info")
@@ -127,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=RouterConfig.port, help=f"(default: {RouterConfig.port})")
     p.add_argument("--redis-url", help="the Redis of the replicas' KV events, e.g. redis://redis:6379/0; "
                    "without it, requests are routed by load alone")
+    p.add_argument("--redis-password-file", default="", metavar="PATH",
+                   help="a file holding Redis's password (default: $PREFIXCACHE_REDIS_PASSWORD, if set)")
+    p.add_argument("--admin-key-file", default="", metavar="PATH",
+                   help="a file holding an admin API key of the replicas, which the health checks send to read each "
+                   "replica's id and load (default: $PREFIXCACHE_ROUTER_ADMIN_KEY, if set); without it the router "
+                   "knows no replica's cached prefixes")
     p.add_argument("--policy", choices=POLICIES, default=Policy.kind,
                    help=f"(default: {Policy.kind}); round-robin ignores caches and load (a baseline)")
     p.add_argument("--min-match-fraction", type=float, default=Policy.min_match_fraction,

@@ -37,9 +37,10 @@ class Config:
     default_ttl: float | None = None  # seconds; None keeps automatic entries until evicted
     shared_prefixes: list[list[int]] = field(default_factory=list)  # token prefixes shared by all tenants
     log_cross_scope_misses: bool = False  # operator log: flag misses whose next block another scope holds
-    shared_chunk: int = 0  # while several tenants are active, each one's prefill tokens per step (0: off); and a
-    # request needing at most this many tokens runs inside the step under way (Engine.lane_step). Small values keep
-    # other tenants' first tokens fast, at the cost of the long prompts' throughput
+    shared_chunk: int = 0  # while several tenants have work, each one's prefill tokens per step, but for the one
+    # with the least engine time lately (0: off); and a request needing at most this many tokens runs inside the
+    # step under way (Engine.lane_step). Small values keep other tenants' first tokens fast, at the cost of the
+    # long prompts' throughput
     fairness_steps: int = 32  # a waiting request is admitted first once it has been passed over this often
     speculative: str = "off"  # draft tokens from: off | prompt (lookup in the request) | answers (the scope's
     # recent outputs) | both; every draft is verified, so greedy output is bit-identical (engine/drafter.py)
@@ -51,6 +52,10 @@ class Config:
     redis_url: str = ""  # L3, shared by replicas, and the KV event stream: redis://HOST:PORT/DB
     redis_kv: bool = True  # keep KV blocks in Redis (L3); off: Redis carries only the KV events (for routers)
     redis_ttl: float = 3600.0  # seconds an L3 entry without a TTL of its own lives (pinned ones: for ever)
+    # secrets come from files or the environment, never from a value here (cache/credentials.py):
+    redis_password_file: str = ""  # "": $PREFIXCACHE_REDIS_PASSWORD, if set
+    tier_secret_file: str = ""  # the key of L2/L3 records' MACs; "": $PREFIXCACHE_TIER_SECRET, else one of this
+    # replica's own (kept in the disk cache's folder, else in memory: then no other replica can read its L3 blocks)
     replica_id: str = ""  # this replica's name in KV events; "" -> hostname-pid
 
     def __post_init__(self):

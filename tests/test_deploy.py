@@ -1,22 +1,27 @@
 """The deployment files (deploy/): every YAML parses, every `prefixcache serve|route` command line in them is one the
-CLI accepts, and the names and ports that tie replicas, Redis and routers together agree. Docker cannot run here, so
-this is what holds the files to the code."""
+CLI accepts, the names and ports that tie replicas, Redis and routers together agree, and so do the secrets: Redis
+has a password, every server gets it and the replicas' one tier secret from a file or the environment (never a
+command line), and only replicas and routers may reach Redis. Docker cannot run here, so this is what holds the
+files to the code."""
 import glob
 import json
 import os
 import re
 import shlex
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
 import yaml
 
+from prefixcache.cache.credentials import REDIS_PASSWORD_ENV, TIER_SECRET_ENV
 from prefixcache.cli import build_parser
 from prefixcache.server.app import ServeConfig
 
 DEPLOY = os.path.join(os.path.dirname(__file__), "..", "deploy")
 COMPOSE = os.path.join(DEPLOY, "docker-compose.yml")
 K8S = sorted(glob.glob(os.path.join(DEPLOY, "k8s", "*.yaml")))
+PACKAGE = os.path.join(os.path.dirname(__file__), "..", "prefixcache")
 
 
 def documents(path: str) -> list[dict]:
@@ -54,6 +59,18 @@ def host_port(url: str, default_port: int) -> tuple[str, int]:
     return u.hostname, u.port or default_port
 
 
+def k8s_objects() -> dict[str, dict[str, dict]]:
+    """kind -> name -> object, over every manifest."""
+    by_kind: dict[str, dict[str, dict]] = {}
+    for d in (d for path in K8S for d in documents(path)):
+        by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
+    return by_kind
+
+
+def pod_labels(workload: dict) -> dict:
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
 def test_every_yaml_parses_and_every_command_is_accepted():
     files = [COMPOSE, *K8S]
     assert len(K8S) >= 4
@@ -63,9 +80,18 @@ def test_every_yaml_parses_and_every_command_is_accepted():
             kinds.add(doc.get("kind"))
             for argv in commands(doc):
                 parse(argv)
-    assert {"Deployment", "StatefulSet", "Service", "Secret"} <= kinds
+    assert {"Deployment", "StatefulSet", "Service", "Secret", "NetworkPolicy"} <= kinds
     for path in files:  # no YAML file of deploy/ goes unchecked
-        assert commands(documents(path)) or path.endswith(("redis.yaml", "keys-secret.yaml")), path
+        assert commands(documents(path)) or path.endswith(("redis.yaml", "keys-secret.yaml", "tiers-secret.yaml")), path
+
+
+def test_no_flag_takes_a_secret():
+    """A command line is readable by every user of the machine: secrets and passwords come from files or the
+    environment, so every such flag names a file."""
+    subcommands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    flags = [f for p in subcommands.values() for a in p._actions for f in a.option_strings]
+    risky = [f for f in flags if re.search("secret|password", f)]
+    assert risky and all(f.endswith("-file") for f in risky), risky
 
 
 def test_compose_names_and_ports_agree():
@@ -89,17 +115,77 @@ def test_compose_names_and_ports_agree():
     assert [p.split(":")[-1] for p in router_service["ports"]] == [str(route.port)]
 
 
+def test_compose_gives_redis_a_password_and_every_server_its_secrets_as_files():
+    doc = documents(COMPOSE)[0]
+    services, secrets = doc["services"], doc["secrets"]
+    assert all(list(s) == ["file"] and s["file"].startswith("${") for s in secrets.values())  # no value in the file
+
+    def secret(service: str, path: str) -> str:
+        """The name of the secret at this path, which the service must mount."""
+        name = path.removeprefix("/run/secrets/")
+        assert path != name and name in secrets and name in services[service]["secrets"], (service, path)
+        return name
+
+    serve = {n: parse(s["command"]) for n, s in services.items() if commands(s) and s["command"][1] == "serve"}
+    [(router, route)] = [(n, parse(s["command"])) for n, s in services.items()
+                         if commands(s) and s["command"][1] == "route"]
+    redis = host_port(route.redis_url, 6379)[0]
+    [path] = re.findall(r'--requirepass "\$\$\(cat (\S+)\)"', " ".join(services[redis]["command"]))
+    password = secret(redis, path)
+    assert secret(router, route.redis_password_file) == password
+    assert {secret(n, args.redis_password_file) for n, args in serve.items()} == {password}
+    tier = {secret(n, args.tier_secret_file) for n, args in serve.items()}
+    assert len(tier) == 1 and tier != {password}  # one tier secret, the same for every replica
+    assert not any("environment" in s for s in services.values())  # nothing secret rides in the environment
+
+
+def test_kubernetes_redis_has_a_password_and_admits_only_replicas_and_routers():
+    by_kind = k8s_objects()
+    [replicas] = by_kind["StatefulSet"].values()
+    router, redis = by_kind["Deployment"]["prefixcache-router"], by_kind["Deployment"]["prefixcache-redis"]
+    source = "".join(Path(p).read_text() for p in glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True))
+
+    def env(workload: dict) -> dict[str, tuple[str, str] | None]:
+        """Its container's environment: name -> (Secret, key) it comes from (None: not a Secret). Every variable is
+        one the code reads, or one its command line expands."""
+        [c] = workload["spec"]["template"]["spec"]["containers"]
+        out = {}
+        for e in c.get("env", []):
+            assert f'"{e["name"]}"' in source or f"$({e['name']})" in " ".join(c["command"]), e["name"]
+            ref = e.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                assert ref["key"] in by_kind["Secret"][ref["name"]]["stringData"], ref
+            out[e["name"]] = (ref["name"], ref["key"]) if ref else None
+        return out
+
+    served, routed, stored = env(replicas), env(router), env(redis)
+    password = stored[REDIS_PASSWORD_ENV]
+    assert password and served[REDIS_PASSWORD_ENV] == routed[REDIS_PASSWORD_ENV] == password
+    assert served[TIER_SECRET_ENV] not in (None, password)  # one StatefulSet: the same secret for every replica
+    command = redis["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--requirepass") + 1] == f"$({REDIS_PASSWORD_ENV})"
+
+    [policy] = by_kind["NetworkPolicy"].values()
+    selected = policy["spec"]["podSelector"]["matchLabels"].items()
+    assert selected <= pod_labels(redis).items()
+    assert not selected <= pod_labels(replicas).items() and not selected <= pod_labels(router).items()
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    [rule] = policy["spec"]["ingress"]
+    assert all(list(peer) == ["podSelector"] for peer in rule["from"])  # no namespace or address lets others in
+    admitted = sorted(sorted(peer["podSelector"]["matchLabels"].items()) for peer in rule["from"])
+    assert admitted == sorted(sorted(pod_labels(w).items()) for w in (replicas, router))
+    redis_port = host_port(parse(commands(router)[0]).redis_url, 6379)[1]
+    assert rule["ports"] == [{"protocol": "TCP", "port": redis_port}]
+
+
 def test_kubernetes_names_and_ports_agree():
-    docs = [d for path in K8S for d in documents(path)]
-    by_kind: dict[str, dict[str, dict]] = {}
-    for d in docs:
-        by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
+    by_kind = k8s_objects()
 
     def pods_of(service: dict) -> dict:
         """The workload whose pod labels the Service selects."""
         selector = service["spec"]["selector"]
         matches = [w for kind in ("Deployment", "StatefulSet") for w in by_kind.get(kind, {}).values()
-                   if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+                   if selector.items() <= pod_labels(w).items()]
         assert len(matches) == 1, service["metadata"]["name"]
         return matches[0]
 

@@ -10,12 +10,14 @@ import argparse
 import json
 import os
 import random
+import secrets
 import statistics
 import time
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.bench.server import RedisProcess
 from prefixcache.bench.workloads import text
+from prefixcache.cache.credentials import TIER_SECRET_ENV
 from prefixcache.models.exactness import cpu_info
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--prompts", type=int, default=3)
     args = ap.parse_args()
+    os.environ.setdefault(TIER_SECRET_ENV, secrets.token_hex(32))  # A's and B's one secret: B reads A's blocks
     redis = RedisProcess().start()
     try:
         a = LLM(redis_url=redis.url, replica_id="a", kv_cache_bytes=2 << 30)

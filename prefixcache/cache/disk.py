@@ -6,8 +6,9 @@ temporary name and renamed, so a crash never leaves half a block under a real na
 their own folder, so a purge is one rmtree. The LRU order lives in memory and is rebuilt from modification times
 on start, so the blocks survive a restart.
 
-Layout: DIR/<owner hex>/<key hex>.kv. Expiry times are kept beside the LRU order (lost on restart: the blocks then
-live until evicted). Not thread-safe: one thread (the tiers' worker) uses it.
+Layout: DIR/<owner hex>/<key hex>.kv, and DIR/tier-secret when no secret was given (credentials.py). Expiry times
+are kept beside the LRU order (lost on restart: the blocks then live until evicted). Not thread-safe: one thread (the
+tiers' worker) uses it.
 """
 import errno
 import os

@@ -19,9 +19,11 @@ MAX_LEN = 1_000_000  # entries kept (approximately); older ones are trimmed
 
 
 class KVEvents:
-    def __init__(self, url: str, replica: str, interval: float = 0.05, timeout: float = 0.5):
+    def __init__(self, url: str, replica: str, interval: float = 0.05, timeout: float = 0.5,
+                 password: str | None = None):
         self.replica, self.interval = replica, interval
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self.client = redis.Redis.from_url(url, password=password, socket_timeout=timeout,
+                                           socket_connect_timeout=timeout)
         self.pending: list[tuple[str, str, list[str]]] = []  # (kind, tier, keys); appended on the engine thread
         self.lock = threading.Lock()
         self.sent = self.dropped = 0  # batches

@@ -50,10 +50,12 @@ class RedisTier:
     ttl: float = 3600.0  # expiry of entries that have no TTL of their own
     timeout: float = 0.5  # seconds, per call
     breaker: Breaker = field(default_factory=Breaker)
+    password: str | None = field(default=None, repr=False)  # AUTH; a password in the URL wins, as redis-py does
     name = "L3"
 
     def __post_init__(self):
-        self.client = redis.Redis.from_url(self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout)
+        self.client = redis.Redis.from_url(self.url, password=self.password, socket_timeout=self.timeout,
+                                           socket_connect_timeout=self.timeout)
 
     def get_many(self, blocks: list[tuple[str, str]]) -> list[bytes | None]:
         """One round trip (MGET) for a run of (owner, key) blocks; all misses if Redis is unreachable."""

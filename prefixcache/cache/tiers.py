@@ -7,8 +7,8 @@ futures, which the scheduler polls.
 - A full block published to L1 is written through to L3 (so other replicas can load it) and announced.
 - A full block evicted from L1 for room spills to L2.
 - A lookup continues a request's chain past its L1 match: L2 block by block, then L3 in windows of MGETs, stopping
-  at the first miss. Every block is decoded and checked (record.py); a bad one is deleted from its tier, counted,
-  and ends the lookup, so it is recomputed and never served.
+  at the first miss. Every block is decoded and authenticated with the tier secret (record.py); a bad one is deleted
+  from its tier, counted, and ends the lookup, so it is recomputed and never served.
 
 A block is filed under its owner (tenant and labels, hashed) and its chain key, which already holds the whole
 scope; so a purge reaches a tenant's blocks in every tier, and a request can only ever ask for keys of its scope.
@@ -55,8 +55,8 @@ def owner_id(owner) -> str:
 
 class Tiers:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, disk: DiskTier | None = None,
-                 remote: RedisTier | None = None, events: KVEvents | None = None):
-        self.shape, self.dtype = shape, dtype
+                 remote: RedisTier | None = None, events: KVEvents | None = None, *, secret: bytes):
+        self.shape, self.dtype, self.secret = shape, dtype, secret  # the secret keys every record's MAC
         self.disk, self.remote, self.events = disk, remote, events
         self.disk_lock = threading.Lock()  # the writer and the reader both use the disk
         self.counts: Counter[str] = Counter()  # "<tier>_<what>": hits, misses, bad, bytes_read, read_seconds...
@@ -174,7 +174,7 @@ class Tiers:
             return None
         self._count(tier, "bytes_read", len(data))
         try:
-            record = decode(data, w.tokens, self.shape, self.dtype)
+            record = decode(data, self.secret, w.key, w.owner, w.tokens, self.shape, self.dtype)
         except BadRecord:
             self._count(tier, "bad")
             if tier == "L2":
@@ -211,7 +211,7 @@ class Tiers:
                 self.jobs.task_done()
 
     def _write(self, tier: str, owner: str, key: str, record: Record, ttl: float | None) -> None:
-        data = encode(record)
+        data = encode(record, self.secret, key, owner)
         if tier == "L3":
             ok = self.remote.put(owner, key, data, ttl)
         else:

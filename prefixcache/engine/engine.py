@@ -11,13 +11,9 @@ from typing import Callable
 
 import torch
 
-from prefixcache.cache.disk import DiskTier
-from prefixcache.cache.events import KVEvents
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.pool import KVPool
-from prefixcache.cache.remote import RedisTier
 from prefixcache.cache.scope import CacheScope
-from prefixcache.cache.tiers import Tiers
 from prefixcache.config import Config
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.detokenizer import Detokenizer
@@ -26,8 +22,9 @@ from prefixcache.engine.grammar import Grammars
 from prefixcache.engine.runner import ModelRunner
 from prefixcache.engine.sampler import RowFault, Sampler, logprobs
 from prefixcache.engine.scheduler import Scheduler
-from prefixcache.engine.speculation import Speculation
 from prefixcache.engine.sequence import Fault, RequestOutput, SamplingParams, Sequence, Status, TokenLogprob
+from prefixcache.engine.speculation import Speculation
+from prefixcache.engine.tiering import open_tiers
 from prefixcache.models.exactness import probe
 from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
@@ -64,7 +61,7 @@ class Engine:
                                     config.default_ttl, config.shared_prefixes, config.log_cross_scope_misses)
         self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"  # its name in KV events
         if config.disk_cache or config.redis_url:
-            self.blocks.attach(self._tiers(c))
+            self.blocks.attach(open_tiers(config, c, self.replica_id))
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps,
                                    config.shared_chunk)
         model = Llama(weights, config.attn_tile)
@@ -282,14 +279,6 @@ class Engine:
         """Finish the tiers' queued writes and stop their threads."""
         if self.blocks.tiering:
             self.blocks.tiering.tiers.close()
-
-    def _tiers(self, c) -> Tiers:
-        cfg = self.config
-        disk = DiskTier(cfg.disk_cache, int(cfg.disk_cache_gb * 2**30)) if cfg.disk_cache else None
-        remote = RedisTier(cfg.redis_url, cfg.redis_ttl) if cfg.redis_url and cfg.redis_kv else None
-        events = KVEvents(cfg.redis_url, self.replica_id) if cfg.redis_url else None
-        shape = (c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim)
-        return Tiers(shape, getattr(torch, cfg.kv_dtype), disk, remote, events)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)

@@ -3,17 +3,38 @@
 It listens to the cache (a full block stored: announce it and write it through to L3; evicted for room: spill it to
 L2), starts a lookup of the blocks past a waiting request's L1 match, and once that lookup is done loads the blocks
 it found into the pool and the cache, where the request's admission then matches them like any other entry. Loaded
-blocks are the bytes another step computed for exactly these tokens under exactly this scope (the checksum, tokens,
-shape and dtype are checked), so a request served from a tier gets the output of the request computed cold.
+blocks are the bytes another step computed for exactly these tokens under exactly this scope (their MAC, keyed by
+the tier secret, covers the block's key, owner and tokens; their shape and dtype are checked), so a request served
+from a tier gets the output of the request computed cold.
 """
 from typing import Protocol
 
+import torch
+
+from prefixcache.cache.credentials import redis_password, tier_secret
+from prefixcache.cache.disk import DiskTier
+from prefixcache.cache.events import KVEvents
 from prefixcache.cache.pool import KVPool
 from prefixcache.cache.radix import Match, Node, PrefixCache
 from prefixcache.cache.record import Record
+from prefixcache.cache.remote import RedisTier
 from prefixcache.cache.scope import CacheScope
 from prefixcache.cache.tiers import Tiers, Wanted, owner_id
+from prefixcache.config import Config
 from prefixcache.engine.sequence import Sequence
+from prefixcache.models.loader import ModelConfig
+
+
+def open_tiers(cfg: Config, model: ModelConfig, replica_id: str) -> Tiers:
+    """The tiers the config names (disk_cache, redis_url), with their secret and the Redis password."""
+    l3 = bool(cfg.redis_url and cfg.redis_kv)
+    disk = DiskTier(cfg.disk_cache, int(cfg.disk_cache_gb * 2**30)) if cfg.disk_cache else None
+    secret = tier_secret(cfg.tier_secret_file, cfg.disk_cache, l3)  # after DiskTier, which makes the folder
+    password = redis_password(cfg.redis_password_file) if cfg.redis_url else None
+    remote = RedisTier(cfg.redis_url, cfg.redis_ttl, password=password) if l3 else None
+    events = KVEvents(cfg.redis_url, replica_id, password=password) if cfg.redis_url else None
+    shape = (model.num_layers, cfg.block_size, model.num_kv_heads, model.head_dim)
+    return Tiers(shape, getattr(torch, cfg.kv_dtype), disk, remote, events, secret=secret)
 
 
 class Blocks(Protocol):
@@ -108,7 +129,8 @@ class Tiering:
                 self.pool.unref(block)
                 if node is None:
                     break
-                c.tier_tokens[f.tier] = c.tier_tokens.get(f.tier, 0) + self.bs
+                if c.num_cached is None:  # a reload after preemption is not what the request was served from
+                    c.tier_tokens[f.tier] = c.tier_tokens.get(f.tier, 0) + self.bs
             self.pool.ref(node.block)
             held.append(node)
             parent = node

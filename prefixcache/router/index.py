@@ -25,6 +25,7 @@ log = logging.getLogger("prefixcache.router")
 @dataclass
 class PrefixIndex:
     redis_url: str
+    password: str | None = field(default=None, repr=False)  # AUTH; a password in the URL wins, as redis-py does
     batch: int = 1000  # entries per XREAD
     block_ms: int = 1000  # how long one XREAD waits for new entries
     last_id: str = "0"  # the last entry applied; "0": the start of the stream
@@ -81,7 +82,7 @@ class PrefixIndex:
     async def follow(self) -> None:
         """Read the stream from `last_id` on, forever (run it as a task; cancel it to stop). While Redis cannot be
         reached, the index keeps what it has and the reads are retried."""
-        client = aioredis.Redis.from_url(self.redis_url, decode_responses=True)
+        client = aioredis.Redis.from_url(self.redis_url, password=self.password, decode_responses=True)
         delay = 0.1
         try:
             while True:
