@@ -2,6 +2,7 @@
 subprocesses on the tiny random-weight model, the router's own app under uvicorn, and the official clients."""
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import openai
 import pytest
 import uvicorn
 
+from prefixcache.cache.credentials import TIER_SECRET_ENV
 from prefixcache.router.app import create_app
 from prefixcache.router.balance import Candidate, Policy, choose
 from prefixcache.router.config import RouterConfig
@@ -26,6 +28,7 @@ from server_fixtures import long_system, metrics, until
 from prefixcache.bench.server import RedisProcess, free_port
 
 KEYS = {"sk-a": {"tenant": "a"}, "sk-b": {"tenant": "b"}, "sk-admin": {"tenant": "ops", "admin": True}}
+SECRET = "router-test-tier-secret-0123456789"  # every replica's: each reads the L3 blocks of the others
 
 
 # --- the policy ---------------------------------------------------------------------------------------------------
@@ -142,7 +145,8 @@ class ReplicaProcess:
 
     def start(self) -> "ReplicaProcess":
         with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, TIER_SECRET_ENV: SECRET})
         return self
 
     def wait_ready(self) -> None:
@@ -217,7 +221,7 @@ def cluster(tiny_model, tmp_path_factory):
         for r in replicas:
             r.wait_ready()
         router = RouterServer(RouterConfig([r.url for r in replicas], port=free_port(), redis_url=redis.url,
-                                           health_interval=0.2))
+                                           health_interval=0.2, admin_key="sk-admin"))
         yield Cluster(replicas, router)
     finally:
         if router:
@@ -284,6 +288,34 @@ def test_streaming_and_auth_pass_through(cluster):
     body = e.value.response.json()
     assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
     until(lambda: all(r.in_flight == 0 for r in cluster.router.router.replicas), 5)  # streams released their replica
+
+
+def test_router_health_tells_probes_and_tenants_only_its_status_and_an_admin_its_details(cluster):
+    """The router shows its replicas only to a key that a replica's own /health answers in detail."""
+    url = f"{cluster.router.url}/health"
+    for headers in (None, {"Authorization": "Bearer sk-a"}, {"x-api-key": "sk-b"}, {"x-api-key": "sk-nope"}):
+        r = httpx.get(url, headers=headers)
+        assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    r = httpx.get(url, headers={"Authorization": "Bearer sk-admin"})
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "ok" and body["healthy"] == 2
+    assert sorted(d["replica_id"] for d in body["replicas"]) == ["replica-1", "replica-2"]
+
+
+def test_a_router_without_an_admin_key_routes_by_status_and_its_own_load(cluster):
+    """Without an admin key a keyed replica's /health tells the router only its status: the replica is in rotation,
+    with no replica id (so no cached prefix is known there) and this router's requests as its load."""
+    router = RouterServer(RouterConfig([r.url for r in cluster.replicas], port=free_port(), health_interval=0.2))
+    try:
+        until(lambda: all(r.healthy for r in router.router.replicas), 10)
+        assert [(r.status, r.replica_id) for r in router.router.replicas] == [("ok", None)] * 2
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="sk-a", max_retries=0)
+        assert client.chat.completions.create(model="default", max_tokens=2, messages=[
+            {"role": "user", "content": "Who routes me?"}]).choices
+        admin = httpx.get(f"{router.url}/health", headers={"Authorization": "Bearer sk-admin"}).json()
+        assert admin["healthy"] == 2 and httpx.get(f"{router.url}/health").json() == {"status": "ok"}
+    finally:
+        router.stop()
 
 
 def test_router_follows_cached_prefixes(cluster):
@@ -364,7 +396,7 @@ def test_replica_killed_under_load(cluster):
         t.join(60)
     assert not failed and len(done) >= 18
     assert cluster.counter("prefixcache_router:retries_total", replica=victim.url) > retries[victim.url]
-    health = httpx.get(f"{cluster.router.url}/health").json()
+    health = httpx.get(f"{cluster.router.url}/health", headers={"Authorization": "Bearer sk-admin"}).json()
     assert [r["healthy"] for r in health["replicas"] if r["url"] == victim.url] == [False]
 
     victim.start().wait_ready()
@@ -377,7 +409,8 @@ def test_replica_killed_under_load(cluster):
 def test_no_healthy_replica_is_503_in_each_format():
     router = RouterServer(RouterConfig([f"http://127.0.0.1:{free_port()}"], port=free_port(), health_interval=0.2))
     try:
-        assert httpx.get(f"{router.url}/health").status_code == 503
+        r = httpx.get(f"{router.url}/health", headers={"Authorization": "Bearer sk-admin"})
+        assert (r.status_code, r.json()) == (503, {"status": "degraded"})  # no replica to judge the key by
         messages = [{"role": "user", "content": "anyone there?"}]
         with pytest.raises(openai.InternalServerError) as e:
             openai.OpenAI(base_url=f"{router.url}/v1", api_key="sk-a", max_retries=0).chat.completions.create(

@@ -196,7 +196,7 @@ def test_metrics_move(srv):
 
 def test_models_and_health(srv):
     assert [m.id for m in client(srv).models.list()] == [srv.server.model_name]
-    health = httpx.get(f"{srv.url}/health").json()
+    health = httpx.get(f"{srv.url}/health", headers={"Authorization": "Bearer sk-admin"}).json()
     assert health["status"] == "ok" and health["exactness"] == srv.server.engine.exactness.summary()
     assert health["exactness"]["mode"] in ("pad", "fixed", "rows")
 

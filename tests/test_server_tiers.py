@@ -1,5 +1,6 @@
-"""The KV tiers and events through a live server: Redis killed and restarted mid-run, the tier in usage, headers,
-/health and /metrics, the KV event stream, and the keys a router asks for."""
+"""The KV tiers and events through a live server: Redis killed and restarted mid-run, Redis with a password, the
+tier in usage, headers, /health and /metrics, the KV event stream, and the keys a router asks for."""
+import asyncio
 import json
 import threading
 
@@ -9,17 +10,25 @@ import openai
 import pytest
 from server_fixtures import _start, long_system, metrics, prefix_header, until
 
+from prefixcache.bench.server import RedisProcess
+from prefixcache.cache.credentials import REDIS_PASSWORD_ENV, TIER_SECRET_ENV
 from prefixcache.cache.events import STREAM
+from prefixcache.cache.remote import PREFIX
 from prefixcache.config import Config
+from prefixcache.router.index import PrefixIndex
 from prefixcache.server.app import ServeConfig
 
 KEYS = {"sk-a": {"tenant": "a"}, "sk-b": {"tenant": "b"}, "sk-admin": {"tenant": "ops", "admin": True}}
+ADMIN = {"Authorization": "Bearer sk-admin"}  # /health's tiers and replica id need an admin key
+SECRET = "server-test-tier-secret-0123456789"  # every replica's: each reads the L3 blocks of the others
 
 
 def tiered_server(name: str, model: str, redis_url: str, tmp_path, replica: str):
     (tmp_path / "keys.json").write_text(json.dumps(KEYS))
-    return _start(name, ServeConfig(Config(model=model, kv_cache_bytes=2**22, redis_url=redis_url, replica_id=replica),
-                                    api_keys=str(tmp_path / "keys.json")))
+    with pytest.MonkeyPatch.context() as env:  # read when the engine is built
+        env.setenv(TIER_SECRET_ENV, SECRET)
+        return _start(name, ServeConfig(Config(model=model, kv_cache_bytes=2**22, redis_url=redis_url,
+                                               replica_id=replica), api_keys=str(tmp_path / "keys.json")))
 
 
 def chat(url: str, key: str, tag: str, **kw):
@@ -55,7 +64,7 @@ def test_a_replica_serves_another_replicas_prefix_from_redis_and_says_so(tiny_mo
 
 def test_redis_killed_mid_run_fails_no_request_and_recovers(tiny_model, redis_proc, tmp_path):
     srv = tiered_server("tiers-kill", tiny_model, redis_proc.url, tmp_path, "kill")
-    health = lambda: httpx.get(f"{srv.url}/health").json()  # noqa: E731
+    health = lambda: httpx.get(f"{srv.url}/health", headers=ADMIN).json()  # noqa: E731
     assert health()["status"] == "ok" and health()["tiers"]["L3"]["status"] == "ok"
     errors, done = [], []
 
@@ -113,4 +122,39 @@ def test_events_and_router_keys_agree_and_stay_per_tenant(tiny_model, redis_proc
     stored = {k for f in fields if f["kind"] == "stored" and f["tier"] == "L1" for k in f["keys"].split(",")}
     assert set(mine["keys"]) <= stored  # the keys the router will ask about are the ones announced
     assert not set(theirs["keys"]) & stored
-    assert httpx.get(f"{srv.url}/health").json()["replica_id"] == "events"
+    assert httpx.get(f"{srv.url}/health", headers=ADMIN).json()["replica_id"] == "events"
+
+
+def test_redis_with_a_password_serves_the_replicas_that_have_it(tiny_model, tmp_path, monkeypatch):
+    """Redis started with --requirepass: a replica given PREFIXCACHE_REDIS_PASSWORD writes its blocks and events
+    there, and a router's index reads them; one without the password gets L3 errors (health degraded) and still
+    answers every request."""
+    redis = RedisProcess(password="test-redis-password-0123456789").start()
+    try:
+        monkeypatch.setenv(REDIS_PASSWORD_ENV, redis.password)
+        given = tiered_server("tiers-auth", tiny_model, redis.url, tmp_path, "auth")
+        monkeypatch.delenv(REDIS_PASSWORD_ENV)
+        denied = tiered_server("tiers-no-auth", tiny_model, redis.url, tmp_path, "no-auth")
+        assert chat(given.url, "sk-a", "auth").parse().choices
+        given.server.engine.blocks.tiering.tiers.drain()
+        written = metrics(given.url)[("prefixcache:kv_tier_writes_total", (("result", "ok"), ("tier", "L3")))]
+        assert written > 5 and len(redis.client().keys(f"{PREFIX}*")) == written
+        assert httpx.get(f"{given.url}/health", headers=ADMIN).json()["tiers"]["L3"] == {
+            "status": "ok", "errors": 0, "skipped": 0}
+
+        async def follow() -> PrefixIndex:  # the router's event reader, with the password
+            index = PrefixIndex(redis.url, password=redis.password, block_ms=50)
+            task = asyncio.create_task(index.follow())
+            while index.blocks("auth") < written:
+                await asyncio.sleep(0.05)
+            task.cancel()
+            return index
+
+        assert asyncio.run(asyncio.wait_for(follow(), 10)).blocks("no-auth") == 0
+
+        for i in range(3):
+            assert chat(denied.url, "sk-a", f"no-auth-{i}").parse().choices
+        until(lambda: httpx.get(f"{denied.url}/health").json()["status"] == "degraded", 30)
+        assert httpx.get(f"{denied.url}/health", headers=ADMIN).json()["tiers"]["L3"]["errors"] >= 3
+    finally:
+        redis.stop()

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,6 +23,7 @@ from prefixcache.bench.report import Prices, summarize, table
 from prefixcache.bench.runs import WARMUP
 from prefixcache.bench.server import ADMIN_KEY, LocalServer, RedisProcess, ServerOptions
 from prefixcache.bench.workloads import Size, multi_tenant
+from prefixcache.cache.credentials import ROUTER_ADMIN_KEY_ENV, TIER_SECRET_ENV
 from prefixcache.models.exactness import cpu_info
 
 KV_BYTES = 1 << 30
@@ -62,6 +64,8 @@ def main() -> None:
     workload = multi_tenant(0, size)
     log = os.path.join(args.out, "cluster.log")
     os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault(TIER_SECRET_ENV, secrets.token_hex(32))  # every replica's: each reads the others' L3
+    os.environ[ROUTER_ADMIN_KEY_ENV] = ADMIN_KEY  # the router's health checks read the replicas' ids and load with it
     redis = RedisProcess().start()
     columns = {}
     try:

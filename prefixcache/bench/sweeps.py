@@ -8,6 +8,7 @@ import httpx
 
 from prefixcache.bench.driver import Load, Target
 from prefixcache.bench.runs import Bench, local, measure
+from prefixcache.bench.server import ADMIN_KEY
 from prefixcache.bench.workloads import Session, Size, Turn, Workload, multi_tenant, shared_system_prompt, system_prompt, text
 
 SUFFIX_TOKENS = 64
@@ -74,7 +75,8 @@ def memory_budget(fractions: list[float], size: Size, seed: int, bench: Bench) -
     several requests per tenant, so that a tenant's prefix must survive the other tenants' requests to hit."""
     workload, users = multi_tenant(seed, size), 2
     working_set = size.tenants * size.prefix_tokens + users * (size.question_tokens + size.max_tokens + 32)
-    per_token = httpx.get(f"{local(bench, prefix_cache=True).url}/health").json()["kv_bytes_per_token"]
+    per_token = httpx.get(f"{local(bench, prefix_cache=True).url}/health",
+                          headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["kv_bytes_per_token"]
     points = []
     for f in fractions:
         gb = f * working_set * per_token / 2**30

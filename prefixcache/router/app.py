@@ -17,7 +17,7 @@ from prefixcache.router.config import RouterConfig
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.proxy import AUTH_HEADERS, Router
-from prefixcache.router.replicas import HealthChecker, Replica
+from prefixcache.router.replicas import HEALTH_TIMEOUT, HealthChecker, Replica
 from prefixcache.server.app import BodyLimit
 from prefixcache.server.errors import ApiError
 
@@ -26,7 +26,7 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 
 def create_app(cfg: RouterConfig) -> FastAPI:
     replicas = [Replica(url.rstrip("/")) for url in cfg.replicas]
-    index = PrefixIndex(cfg.redis_url) if cfg.redis_url else None
+    index = PrefixIndex(cfg.redis_url, cfg.redis_password) if cfg.redis_url else None
     metrics = RouterMetrics(replicas, index)
     router = Router(replicas, index, cfg.policy, cfg.max_retries, metrics)
 
@@ -36,7 +36,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
         async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
             router.client = client
-            health = HealthChecker(replicas, client, cfg.health_interval)
+            health = HealthChecker(replicas, client, cfg.health_interval, cfg.admin_key)
             await health.check_all()
             tasks = [asyncio.create_task(health.run())]
             if index:
@@ -65,19 +65,31 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         app.add_api_route(path, proxy, methods=["POST"])
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        """"ok" while a replica is healthy, else "degraded" (503). The replicas' state goes only to a caller whose
+        key a healthy replica's own /health answers in detail (an admin key; anyone when the replicas run without
+        keys)."""
         up = router.healthy()
-        return JSONResponse({"status": "ok" if up else "unavailable", "healthy": len(up),
-                             "replicas": [r.describe() for r in replicas]}, 200 if up else 503)
+        body = {"status": "ok" if up else "degraded"}
+        if up and await detailed(request, up[0]):
+            body |= {"healthy": len(up), "replicas": [r.describe() for r in replicas]}
+        return JSONResponse(body, 200 if up else 503)
+
+    async def detailed(request: Request, replica: Replica) -> bool:
+        """Whether the replica's /health answers the caller's key with its details."""
+        try:
+            r = await router.client.get(f"{replica.url}/health", headers=passed_key(request), timeout=HEALTH_TIMEOUT)
+            return "replica_id" in r.json()
+        except (httpx.HTTPError, ValueError, TypeError):
+            return False
 
     async def ask_replica(request: Request, path: str) -> httpx.Response:
         """A GET of `path` on a healthy replica with the caller's key."""
         up = router.healthy()
         if not up:
             raise ApiError(503, "no healthy replica", retry_after=1)
-        auth = {h: request.headers[h] for h in AUTH_HEADERS if h in request.headers}
         try:
-            return await router.client.get(f"{up[0].url}{path}", headers=auth)
+            return await router.client.get(f"{up[0].url}{path}", headers=passed_key(request))
         except httpx.HTTPError:
             raise ApiError(503, "the replica asked did not answer", retry_after=1)
 
@@ -96,3 +108,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def passed_key(request: Request) -> dict[str, str]:
+    """The caller's API key headers, to pass on to a replica."""
+    return {h: request.headers[h] for h in AUTH_HEADERS if h in request.headers}

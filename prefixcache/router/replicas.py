@@ -2,6 +2,9 @@
 
 A replica is routable while its `GET /health` answers 200 with status "ok" or "degraded" (it still serves, with
 a tier missing). A connection refused on a forwarded request takes it out at once; the next check puts it back.
+A replica with API keys tells its id and load only to an admin key: the checks send the router's (RouterConfig
+admin_key), and without it the router knows no cached prefixes there and counts only its own requests as the
+replica's load.
 """
 import asyncio
 import logging
@@ -32,10 +35,16 @@ class Replica:
         return max(self.in_flight, self.running + self.waiting)
 
     def up(self, health: dict) -> None:
-        """In rotation, with the figures of a /health answer (KeyError, ValueError: they are missing)."""
-        replica_id, running, waiting = str(health["replica_id"]), int(health["running"]), int(health["waiting"])
+        """In rotation, with the figures of a /health answer when it has them (KeyError, ValueError: some are
+        missing); an answer of its status alone leaves the replica's id unknown and its own load at 0."""
+        replica_id, running, waiting = None, 0, 0
+        if health.keys() != {"status"}:
+            replica_id, running, waiting = str(health["replica_id"]), int(health["running"]), int(health["waiting"])
         if not self.healthy:
             log.info("replica %s (%s) in rotation, status %s", self.url, replica_id, health["status"])
+            if replica_id is None:
+                log.warning("replica %s tells its id and load only to an admin key (route --admin-key-file): "
+                            "routing there by this router's own requests, with no cached prefix known", self.url)
         self.healthy, self.status = True, health["status"]
         self.replica_id, self.running, self.waiting = replica_id, running, waiting
 
@@ -50,12 +59,14 @@ class Replica:
 
 
 class HealthChecker:
-    def __init__(self, replicas: list[Replica], client: httpx.AsyncClient, interval: float):
+    def __init__(self, replicas: list[Replica], client: httpx.AsyncClient, interval: float, key: str | None):
+        """`key`: an admin key of the replicas, sent with each check to read their ids and load; None: none sent."""
         self.replicas, self.client, self.interval = replicas, client, interval
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     async def check(self, replica: Replica) -> None:
         try:
-            r = await self.client.get(f"{replica.url}/health", timeout=HEALTH_TIMEOUT)
+            r = await self.client.get(f"{replica.url}/health", headers=self.headers, timeout=HEALTH_TIMEOUT)
             health = r.json() if r.status_code == 200 else {}
         except (httpx.HTTPError, ValueError) as e:
             return replica.down(type(e).__name__)

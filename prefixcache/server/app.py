@@ -96,6 +96,13 @@ class Server:
     def auth(self, request: Request) -> Principal:
         return authenticate(self.keys, request.headers)
 
+    def admin(self, request: Request) -> bool:
+        """Whether the caller holds an admin key (always so without keys); a missing or unknown key is no error."""
+        try:
+            return self.auth(request).admin
+        except ApiError:
+            return False
+
     def check_model(self, model: str) -> None:
         if model not in (self.model_name, MODEL_ALIAS):
             raise ApiError(404, f"model {model!r} not found; this server serves {self.model_name!r} "
@@ -197,10 +204,12 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         return e.anthropic() if api == "anthropic" else e.openai()
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         """"degraded" when a KV tier is unreachable (requests still succeed: they recompute); "draining" (503)
-        after SIGTERM. The queue lengths are read without the engine thread, so a health check never waits for a
-        step."""
+        after SIGTERM. Probes and tenant keys get only that word: the load, replica id, tiers and exactness plan
+        are server-wide, so with API keys only an admin key reads them, as /metrics (a missing or unknown key is no
+        error here: probes send none); without keys the one tenant reads them all. The queue lengths are read
+        without the engine thread, so a health check never waits for a step."""
         engine = server.engine
         pool = engine.pool
         tiers = engine.blocks.tiering.tiers.health() if engine.blocks.tiering else {}
@@ -209,7 +218,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         body = {"status": status, "model": server.model_name, "replica_id": engine.replica_id,
                 "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting), "tiers": tiers,
                 "kv_bytes_per_token": pool.block_bytes // pool.block_size, "exactness": engine.exactness.summary()}
-        return JSONResponse(body, 503 if server.draining else 200)
+        return JSONResponse(body if server.admin(request) else {"status": status}, 503 if server.draining else 200)
 
     @app.get("/v1/models")
     async def models(request: Request):
