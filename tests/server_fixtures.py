@@ -64,13 +64,14 @@ def main_server(tmp_path_factory) -> Running:
                                       api_keys=str(d / "keys.json"), shared_prefixes=str(d / "shared.json")))
 
 
-def tenants_server(tmp_path_factory, name: str, log_cross_scope_misses: bool = False) -> Running:
-    """Two tenants (sk-a, sk-b) and an admin, nothing shared: for cross-tenant observation tests."""
+def tenants_server(tmp_path_factory, name: str, **engine) -> Running:
+    """Two tenants (sk-a, sk-b) and an admin, nothing shared: for cross-tenant observation tests. `engine`: more
+    Config fields."""
     d = tmp_path_factory.mktemp(name)
     (d / "keys.json").write_text(json.dumps({"sk-a": {"tenant": "a"}, "sk-b": {"tenant": "b"},
                                              "sk-admin": {"tenant": "ops", "admin": True}}))
-    return _start(name, ServeConfig(Config(kv_cache_bytes=2**28, min_cache_tokens=MIN_CACHE_TOKENS,
-                                           log_cross_scope_misses=log_cross_scope_misses), api_keys=str(d / "keys.json")))
+    return _start(name, ServeConfig(Config(**{"kv_cache_bytes": 2**28, "min_cache_tokens": MIN_CACHE_TOKENS, **engine}),
+                                    api_keys=str(d / "keys.json")))
 
 
 def spec_server() -> Running:

@@ -1,9 +1,11 @@
 """No channel a tenant can read tells it what another tenant has cached.
 
 Tenant a sends the same requests to two identical servers; on one of them tenant b has first cached every
-prompt a will send. Everything a can observe must be byte-identical on both (apart from ids, timestamps and
+prompt a will send. In the loaded setup the servers also draft speculatively, spill to a disk tier, and b has
+first filled the whole KV pool, so a's drafts and blocks need room that b's entries hold. Everything a can observe must be byte-identical on both (apart from ids, timestamps and
 timing): status, every header (x-prefix-cache included), bodies and usage, every stream event, the cache purge
-answer and /metrics. The primed server logs cross-scope misses for its operator, which must stay in its log.
+answer, /metrics and /health. The primed server logs cross-scope misses for its operator, which must stay in its log.
+/health tells tenants and probes only its status word; its details need an admin key.
 """
 import json
 import logging
@@ -12,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from server_fixtures import long_system, tenants_server
+from server_fixtures import long_system, tenants_server, tiny_server
 
 VOLATILE = re.compile(r'"(id|created)": ?("[^"]*"|\d+)')
 QUESTION = [{"role": "user", "content": "Which rule covers refunds?"}]
@@ -30,7 +32,14 @@ def _requests() -> list[tuple[str, dict]]:
                 "messages": QUESTION,
                 "system": [{"type": "text", "text": long_system(tag), "cache_control": {"type": "ephemeral"}}]}
 
-    return [("/v1/chat/completions", chat("iso-chat", False)),
+    trip = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "ok": {"type": "boolean"}},
+            "required": ["city", "ok"], "additionalProperties": False}  # short: it completes within max_tokens
+    items = ", ".join(f"item {j} of the iso list" for j in range(40))
+    return [("/v1/chat/completions", {**chat("iso-json", False), "max_tokens": 24, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "trip", "schema": trip}}}),
+            ("/v1/completions", {"model": "default", "max_tokens": 64, "temperature": 0, "cache_salt": "iso-spec",
+                                 "prompt": f"{long_system('iso-spec')}\nA list: {items}.\nThe list again: item 0"}),
+            ("/v1/chat/completions", chat("iso-chat", False)),
             ("/v1/chat/completions", chat("iso-chat-stream", True)),
             ("/v1/completions", {"model": "default", "max_tokens": 4, "temperature": 0, "cache_salt": "iso-completion",
                                  "prompt": long_system("iso-completion")}),
@@ -47,7 +56,7 @@ def _send(url: str, key: str, path: str, body: dict) -> tuple:
 
 def _observe(url: str, key: str) -> list:
     seen = [_send(url, key, path, body) for path, body in _requests()]
-    for method, path in (("GET", "/metrics"), ("GET", "/v1/models"), ("DELETE", "/v1/cache")):
+    for method, path in (("GET", "/metrics"), ("GET", "/health"), ("GET", "/v1/models"), ("DELETE", "/v1/cache")):
         r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=60)
         seen.append((method, path, r.status_code, r.text))
     return seen
@@ -79,34 +88,81 @@ def _observe_with_log(url: str, key: str) -> tuple[list, list[dict]]:
     return seen, handler.lines
 
 
-@pytest.fixture(scope="module")
-def observations(tmp_path_factory):
-    clean = tenants_server(tmp_path_factory, "iso-clean")
-    primed = tenants_server(tmp_path_factory, "iso-primed", log_cross_scope_misses=True)
+@pytest.fixture(scope="module", params=["plain", "loaded"])
+def observations(tmp_path_factory, request):
+    if request.param == "plain":
+        clean = tenants_server(tmp_path_factory, "iso-clean")
+        primed = tenants_server(tmp_path_factory, "iso-primed", log_cross_scope_misses=True)
+    else:
+        def loaded(name: str, **extra) -> object:
+            return tenants_server(tmp_path_factory, name, speculative="both", **extra,
+                                  disk_cache=str(tmp_path_factory.mktemp(f"{name}-l2")))
+        clean, primed = loaded("iso-loaded-clean"), loaded("iso-loaded-primed", log_cross_scope_misses=True)
+        pool = primed.server.engine.pool
+        for i in range(2 * pool.usable_blocks * pool.block_size // 900):  # b fills the pool twice over
+            filler = {"model": "default", "max_tokens": 1, "prompt": f"[filler {i}] " + "word " * 900}
+            assert _send(primed.url, "sk-b", "/v1/completions", filler)[0] == 200
+        assert pool.num_free < 8
     for path, body in _requests():
         assert _send(primed.url, "sk-b", path, body)[0] == 200
-    return _observe_with_log(clean.url, "sk-a"), _observe_with_log(primed.url, "sk-a")
+    return (_observe_with_log(clean.url, "sk-a"), _observe_with_log(primed.url, "sk-a"),
+            request.param)
 
 
 def test_tenant_sees_the_same_whether_or_not_another_tenant_cached_its_prompts(observations):
-    (clean, _), (primed, _) = observations
+    (clean, _), (primed, _), _ = observations
     for a, b in zip(clean, primed):
         assert a == b
-    assert len(clean) == len(primed) == len(_requests()) + 3
+    assert len(clean) == len(primed) == len(_requests()) + 4
 
 
 def test_the_observations_are_the_cold_ones(observations):
-    (clean, _), _ = observations
+    (clean, _), _, setup = observations
     for status, headers, _ in clean[:len(_requests())]:
         assert status == 200
         assert "miss=cold" in dict(headers)["x-prefix-cache"]
-    metrics, models, purge = clean[len(_requests()):]
+    structured, spec = (json.loads(body) for _, _, body in clean[:2])
+    assert json.loads(structured["choices"][0]["message"]["content"]).keys() == {"city", "ok"}
+    accepted = spec["usage"]["completion_tokens_details"]["accepted_prediction_tokens"]
+    assert accepted > 0 if setup == "loaded" else accepted == 0  # drafts ran, so the comparison can fail
+    metrics, health, models, purge = clean[len(_requests()):]
     assert metrics[2] == 403 and models[2] == 200 and purge[2] == 200
+    assert health[2:] == (200, '{"status":"ok"}')
 
 
 def test_cross_scope_misses_reach_only_the_operator_log(observations):
-    (_, clean_log), (_, primed_log) = observations
+    (_, clean_log), (_, primed_log), _ = observations
     assert len(clean_log) == len(primed_log) == len(_requests())
     assert all("cross_scope_miss" not in line for line in clean_log)
     assert [line.pop("cross_scope_miss") for line in primed_log] == [True] * len(_requests())
     assert clean_log == primed_log
+
+
+DETAILS = {"model", "replica_id", "running", "waiting", "tiers", "kv_bytes_per_token", "exactness"}
+
+
+def _health(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    r = httpx.get(f"{url}/health", headers=headers)
+    return r.status_code, r.json()
+
+
+def test_health_tells_probes_and_tenants_only_its_status_and_an_admin_its_details(tmp_path_factory):
+    srv = tenants_server(tmp_path_factory, "iso-clean")
+    for headers in (None, {"Authorization": "Bearer sk-a"}, {"x-api-key": "sk-b"}, {"Authorization": "Bearer sk-nope"}):
+        assert _health(srv.url, headers) == (200, {"status": "ok"})
+    for headers in ({"Authorization": "Bearer sk-admin"}, {"x-api-key": "sk-admin"}):
+        status, body = _health(srv.url, headers)
+        assert status == 200 and body.keys() == DETAILS | {"status"} and body["status"] == "ok"
+        assert body["replica_id"] == srv.server.engine.replica_id and body["waiting"] == 0
+    srv.server.draining = True  # what SIGTERM sets (server/serve.py); test_server_secrets.py drains a real process
+    try:
+        assert _health(srv.url, {"Authorization": "Bearer sk-a"}) == (503, {"status": "draining"})
+        status, body = _health(srv.url, {"Authorization": "Bearer sk-admin"})
+        assert status == 503 and body["status"] == "draining" and DETAILS <= body.keys()
+    finally:
+        srv.server.draining = False
+
+
+def test_health_without_api_keys_shows_its_one_tenant_the_details(tiny_model):
+    status, body = _health(tiny_server(tiny_model).url)
+    assert status == 200 and body["status"] == "ok" and DETAILS <= body.keys()

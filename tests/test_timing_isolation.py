@@ -10,6 +10,8 @@ from conftest import LONG
 from scipy.stats import ks_2samp
 from server_fixtures import tiny_tenants_server
 
+from prefixcache.bench.features import wide_schema
+
 N = 120 if LONG else 40  # requests per sample
 PROMPT = 1500  # tokens: the prefill a hit skips
 # Both KS checks at this level: b's check fails 1 run in 10,000 by chance (not 1 in 100), while a's own hits and
@@ -50,15 +52,6 @@ def test_another_tenants_cached_prefix_is_as_slow_as_a_fresh_one(tmp_path_factor
     assert across > ALPHA, f"b's timing tells a's cache apart (p = {across:.3g})"
 
 
-def _schema(tag: str) -> dict:
-    """A JSON schema that takes xgrammar a good fraction of a second to compile; `tag` makes it a new one."""
-    item = {"type": "object", "properties": {"mail": {"type": "string", "pattern": "[a-z]{3,9}@[a-z]+\\.com"},
-                                             "scores": {"type": "array", "items": {"type": "number"}, "minItems": 2},
-                                             "kind": {"enum": ["x", "y", tag]}}, "required": ["mail", "scores"]}
-    return {"type": "object", "properties": {f"{tag}_{i}": item for i in range(300)},
-            "required": [f"{tag}_{i}" for i in range(300)]}
-
-
 def test_a_grammar_another_tenant_compiled_is_compiled_again(tmp_path_factory, tiny_model):
     """The grammar timing probe: tenant a asking with a schema tenant b used is as slow as with a fresh schema
     (a compiles its own), while b's own repeat is fast, the control that shows the probe can tell."""
@@ -74,9 +67,9 @@ def test_a_grammar_another_tenant_compiled_is_compiled_again(tmp_path_factory, t
 
     ratios, controls = [], []
     with httpx.Client(base_url=srv.url, timeout=120) as c:
-        seconds(c, "sk-a", _schema("warm"))
+        seconds(c, "sk-a", wide_schema("warm"))
         for trial in range(3):
-            used, fresh = _schema(f"used{trial}"), _schema(f"fresh{trial}")
+            used, fresh = wide_schema(f"used{trial}"), wide_schema(f"fresh{trial}")
             first = seconds(c, "sk-b", used)
             controls.append(statistics.median(seconds(c, "sk-b", used) for _ in range(3)) / first)
             ratios.append(seconds(c, "sk-a", used) / seconds(c, "sk-a", fresh))
