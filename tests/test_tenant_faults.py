@@ -127,3 +127,38 @@ def _post(url: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer sk-a"}, timeout=120,
                       json={"model": "default", "prompt": B_PROMPT[:10], "max_tokens": 8, **body})
 
+
+
+def test_a_fault_after_the_stream_began_ends_that_stream_with_an_error_event(tmp_path_factory, tiny_model):
+    """A fault injected into one request's sampling after its third token: its OpenAI stream ends with an error
+    event (the official client raises it), its Anthropic stream with an `error` event, and b's concurrent stream is
+    the same as alone."""
+    srv = tiny_tenants_server(tmp_path_factory, tiny_model, name="tiny-faults")
+    sampler, sample = srv.server.engine.sampler, srv.server.engine.sampler.sample
+
+    def faulty(row, seq):
+        if seq.scope.tenant == "a" and len(seq.output_ids) == 3:
+            raise RuntimeError("injected")
+        return sample(row, seq)
+
+    b = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sk-b", max_retries=0)
+    ask = dict(model="default", prompt=B_PROMPT, max_tokens=48, temperature=0, stream=True)
+    alone = "".join(c.choices[0].text for c in b.completions.create(**ask) if c.choices)
+    a = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sk-a", max_retries=0)
+    sampler.sample = faulty
+    try:
+        stream = b.completions.create(**ask)
+        failed = []
+        with pytest.raises(openai.APIError, match="internal engine error"):
+            for chunk in a.completions.create(model="default", prompt=B_PROMPT[:20], max_tokens=20, temperature=0,
+                                              stream=True):
+                failed += [c.text for c in chunk.choices]
+        got = [c.choices[0].text for c in stream if c.choices]
+        with httpx.stream("POST", f"{srv.url}/v1/messages", headers={"x-api-key": "sk-a"}, timeout=60, json={
+                "model": "default", "max_tokens": 20, "stream": True,
+                "messages": [{"role": "user", "content": "Tell me a story."}]}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("event:")]
+    finally:
+        sampler.sample = sample
+    assert "".join(got) == alone and len(failed) >= 1
+    assert events[0] == "event: message_start" and events[-1] == "event: error"

@@ -7,8 +7,8 @@ Each scope has an xgrammar compiler of its own, whose cache holds at most MAX_GR
 speeds up a single compile, 8x on a schema that repeats a sub-schema, so it stays on); an owner (tenant and labels)
 keeps MAX_SCOPES of them, least recently used out first, so no tenant can evict another's. Compiling runs on a
 thread of its own at a low priority (xgrammar releases the GIL), while the engine serves everyone else; the request
-waits for it the way it waits for a tier lookup. Masking changes
-only which token is sampled, never a logit the model computed, so warm == cold holds for guided requests too.
+waits for it the way it waits for a tier lookup. Masking changes only which token is sampled, never a logit the
+model computed, so warm == cold holds for guided requests too.
 """
 import json
 import os
