@@ -347,3 +347,25 @@ def test_a_replica_with_another_secret_loads_nothing(tiny_model, redis_proc, col
     assert result[0][0].cached_tokens == 0
     assert_cold(result, cold)
     assert b.engine.stats()["tiers"]["counts"]["L3_bad"] == 1
+
+
+def test_a_preempted_requests_tier_counts_stay_those_of_its_first_admission(tiny_model, tmp_path, cold):
+    """A request served from L1 is preempted, and memory pressure (any tenant's) spills its blocks to L2 before it
+    is admitted again from there: its per-tier counts (`tiers=` in the header) stay those of its first admission,
+    so they never tell of pressure; and its output is still the cold one."""
+    a = llm(tiny_model, disk_cache=str(tmp_path))
+    a.generate([PROMPT], GREEDY)
+    e = a.engine
+    seq = e.add_request(PROMPT, GREEDY)
+    e.step()
+    first = seq.cache.by_tier()
+    assert first == {"L1": len(PROMPT) - 1} and seq.output_ids
+    e.scheduler.preempt(seq)
+    e.blocks.cache.evict(10**6)  # all of L1 spills to L2
+    settle(e)
+    e.blocks.prefetch(seq)  # the lookup its readmission makes, had the pressure come first
+    while e.has_unfinished():
+        e.step()
+    assert sum(seq.cache.tier_tokens.values()) == 0 and e.output(seq).cached_by_tier == first
+    assert e.output(seq).token_ids == cold[0][0].token_ids
+    assert e.stats()["tiers"]["counts"]["L2_hits"] > 0  # it did come back from L2
