@@ -1,6 +1,7 @@
 """Credentials: the secret that authenticates KV records below host memory (record.py), the Redis password, and
-the router's admin key for the replicas' health details. Each comes from a file named on the command line or from an environment variable, never from a flag's
-value: any user of the machine can read a command line (ps, /proc/PID/cmdline).
+the router's admin key for the replicas' health details. Each comes from a file named on the command line or from an
+environment variable, never from a flag's value: any user of the machine can read a command line (ps,
+/proc/PID/cmdline).
 
 Without a tier secret, a server with a disk tier keeps a random one in a file of the disk cache's folder (mode 0600),
 so its L2 blocks outlive a restart; one without uses a random secret that dies with the process. Either way its L3

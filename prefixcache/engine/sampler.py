@@ -43,8 +43,8 @@ class Sampler:
             return logits
         row = logits.float().clone()
         if p.logit_bias:
-            row.index_put_((torch.tensor(list(p.logit_bias)),), torch.tensor(list(p.logit_bias.values()), dtype=row.dtype),
-                           accumulate=True)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+            row.index_put_((torch.tensor(list(p.logit_bias)),), bias, accumulate=True)
         if len(seq.output_ids) < p.min_tokens:
             row[self.eos_token_ids + p.stop_token_ids] = float("-inf")
         seen = torch.zeros(len(row), dtype=torch.bool)

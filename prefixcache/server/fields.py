@@ -49,7 +49,7 @@ TABLE: list[Row] = [
         "logit_bias": "token ids of the vocabulary: -100 to 100",
         "presence_penalty": "-2 to 2, over the output", "frequency_penalty": "-2 to 2, over the output",
         "repetition_penalty": "vLLM extension: > 0, over the prompt and the output",
-        "min_tokens": "vLLM extension: no EOS, stop token or stop string before it",
+        "min_tokens": "vLLM extension: no EOS, stop token or stop string before it; not with a guide (400)",
         "stop_token_ids": "vLLM extension: finish on these tokens",
         "tool_choice": "chat: `none`, `auto` (a reply written as calls is returned as `tool_calls`), `required` or a "
                        "named function (a valid call is forced with the parameters' schema)",
