@@ -3,8 +3,11 @@ work, each one's prefill is capped per step except the one with the least engine
 robin); a step that gives a request its first token carries no unfinished prefill chunk (every other step at
 most); and a short request that arrives during a step runs inside it, before one of its layers (once a step).
 Outputs are those of a run without any of this."""
+import time
+
 from prefixcache import LLM, CacheScope, SamplingParams
 from prefixcache.engine.engine import StepFailed
+from prefixcache.engine.scheduler import NEXT_REQUEST
 from prefixcache.engine.sequence import Sequence, Status
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -43,13 +46,21 @@ def test_the_cap_follows_engine_time_and_the_first_token_step(tiny_model):
 
 
 def test_a_tenant_that_sent_a_request_lately_caps_no_one_once_it_is_done(tiny_model):
-    """The trickle: b's small request finishes, then a's long prompts come: a runs uncapped (b has no work), where a
-    cap by recent activity held a to 32 tokens a step for seconds."""
-    llm = LLM(model=tiny_model, shared_chunk=32, enable_prefix_cache=False)
-    _finish(llm, [llm.engine.add_request(B, PARAMS, CacheScope(tenant="b"))])
-    a = llm.engine.add_request(A[0], PARAMS, CacheScope(tenant="a"))
+    """The trickle: a's long prompts run; b's small request caps a while it is in the engine (and for the
+    NEXT_REQUEST gap a client's next request takes), and once b is done a runs uncapped again, where a cap by recent
+    activity held a to 32 tokens a step for seconds."""
+    llm = LLM(model=tiny_model, shared_chunk=32, enable_prefix_cache=False, max_batch_tokens=64)
+    a = llm.engine.add_request(A[0] + A[1], PARAMS, CacheScope(tenant="a"))
     llm.engine.step()
-    assert a.num_computed == len(A[0])
+    b = llm.engine.add_request(B, PARAMS, CacheScope(tenant="b"))
+    while b.finish_reason is None:
+        before = a.num_computed
+        llm.engine.step()
+        assert a.num_computed - before <= 32
+    time.sleep(NEXT_REQUEST)
+    before = a.num_computed
+    llm.engine.step()
+    assert a.num_computed - before == 64
 
 
 def test_first_token_steps_alternate_with_the_others(tiny_model):

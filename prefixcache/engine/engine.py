@@ -137,7 +137,6 @@ class Engine:
     def _guarded(self, plan: list[tuple[Sequence, int]], between: Callable[[], None] | None) -> list[Sequence]:
         drafts = self.speculation.drafts(plan)  # appended to their sequences' tokens for this forward only
         plan = [(seq, n + len(drafts.get(seq.id, ()))) for seq, n in plan]
-        start = time.monotonic()
         try:
             logits, prompt_hidden = self.runner.run(plan, set(drafts), between)
         except Exception as e:
@@ -145,7 +144,7 @@ class Engine:
             for seq in seqs:
                 self.abort(seq)
             raise StepFailed(seqs) from e
-        self.scheduler.charge(plan, time.monotonic() - start)  # a lane step inside is charged twice: to both
+        self.scheduler.charge(plan)
         touched = []
         for seq, n in plan:
             draft = drafts.get(seq.id, [])

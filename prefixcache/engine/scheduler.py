@@ -1,10 +1,13 @@
 """Continuous batching: which sequences run this step, and how many of their tokens."""
+import time
 from collections import Counter, deque
 
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.sequence import Sequence, Status
 
-USAGE_HALF_LIFE = 2.0  # seconds: how fast a tenant's engine time is forgotten (Scheduler.charge)
+USAGE_HALF_LIFE = 2.0  # seconds: how fast a tenant's engine use is forgotten (Scheduler.charge)
+NEXT_REQUEST = 0.1  # seconds a tenant still counts as having work after its last request finished: the gap of a
+# client that sends one request after another, not of one that sends a request now and then
 
 
 class PrefillShares:
@@ -29,7 +32,9 @@ class Scheduler:
                  shared_chunk: int = 0):
         self.blocks = blocks
         self.shared_chunk = shared_chunk  # 0: off
-        self.usage: dict[str, float] = {}  # tenant -> engine seconds, halved every USAGE_HALF_LIFE (charge)
+        self.usage: dict[str, float] = {}  # tenant -> tokens computed, halved every USAGE_HALF_LIFE (charge)
+        self.charged_at = time.monotonic()
+        self.finished: dict[str, float] = {}  # tenant -> when its last request finished (monotonic)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.fairness_steps = fairness_steps
@@ -124,18 +129,17 @@ class Scheduler:
         self.blocks.prefetch(seq)
         self.waiting.appendleft(seq)
 
-    def charge(self, plan: list[tuple[Sequence, int]], seconds: float) -> None:
-        """Charge a step's engine time to its tenants, by their share of its tokens; older charges fade."""
-        fade = 0.5 ** (seconds / USAGE_HALF_LIFE)
-        self.usage = {t: u * fade for t, u in self.usage.items() if u * fade > 1e-6}
-        tokens = Counter()
+    def charge(self, plan: list[tuple[Sequence, int]]) -> None:
+        """Charge a step to its tenants: the tokens each computed in it, a measure of engine time that does not
+        depend on the machine's noise (nor tell a tenant anything through it); older charges fade."""
+        now = time.monotonic()
+        fade, self.charged_at = 0.5 ** ((now - self.charged_at) / USAGE_HALF_LIFE), now
+        self.usage = {t: u * fade for t, u in self.usage.items() if u * fade > 1e-3}
         for seq, n in plan:
-            tokens[seq.scope.tenant] += n
-        total = sum(tokens.values())
-        for tenant, n in tokens.items():
-            self.usage[tenant] = self.usage.get(tenant, 0.0) + seconds * n / total
+            self.usage[seq.scope.tenant] = self.usage.get(seq.scope.tenant, 0.0) + n
 
     def finish(self, seq: Sequence) -> None:
+        self.finished[seq.scope.tenant] = time.monotonic()
         self.blocks.release(seq, finished=True)
         self.running.remove(seq)
         seq.status = Status.FINISHED
@@ -148,11 +152,13 @@ class Scheduler:
             seq.status = Status.FINISHED
 
     def _prefill_shares(self) -> "PrefillShares":
-        """This step's prefill caps (a deficit round robin over engine time): while two tenants or more have work
-        (running or waiting), `shared_chunk` tokens for each, except the one with the least engine time lately
-        (none on a tie); else none. A tenant that sends a small request now and then is capped only while its own
-        request is in the engine, and it caps the others only as long as it has had less than they."""
-        tenants = {s.scope.tenant for s in self.running} | {s.scope.tenant for s in self.waiting}
+        """This step's prefill caps (a deficit round robin over engine use): while two tenants or more have work
+        (running or waiting, or finished within NEXT_REQUEST), `shared_chunk` tokens for each, except the one with
+        the least engine use lately (none on a tie); else none. A tenant that sends a small request now and then
+        caps the others only while its request is in the engine and as long as it has had less than they."""
+        now = time.monotonic()
+        self.finished = {t: at for t, at in self.finished.items() if now - at < NEXT_REQUEST}
+        tenants = {s.scope.tenant for s in self.running} | {s.scope.tenant for s in self.waiting} | set(self.finished)
         if not self.shared_chunk or len(tenants) < 2:
             return PrefillShares(None)
         least = sorted(tenants, key=lambda t: self.usage.get(t, 0.0))
