@@ -9,7 +9,7 @@ import threading
 import httpx
 import openai
 import pytest
-from server_fixtures import Pause, tiny_tenants_server, until
+from server_fixtures import Pause, metrics, tiny_tenants_server, until
 
 from prefixcache import LLM, CacheScope, SamplingParams
 from prefixcache.engine.grammar import Guide
@@ -162,3 +162,6 @@ def test_a_fault_after_the_stream_began_ends_that_stream_with_an_error_event(tmp
         sampler.sample = sample
     assert "".join(got) == alone and len(failed) >= 1
     assert events[0] == "event: message_start" and events[-1] == "event: error"
+    after = metrics(srv.url)
+    assert [after.get(("prefixcache:requests_total", (("api", api), ("status", "500"))), 0) for api in
+            ("openai", "anthropic")] == [1, 1]

@@ -196,6 +196,7 @@ async def messages(request: Request, req: MessagesRequest, caller: Principal = D
                             opened = True
                         yield sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
             except ApiError as e:  # the request failed after its stream began: Anthropic's error event
+                gen.stream_failed(e)
                 yield f"event: error\ndata: {json.dumps(e.anthropic_body())}\n\n"
                 return
             held = hold.held if hold else ""

@@ -157,6 +157,12 @@ class Generation:
             line["cross_scope_miss"] = r.cross_scope_miss
         log.info(json.dumps(line))
 
+    def stream_failed(self, e: ApiError) -> None:
+        """The request failed after its stream began, so no error handler renders it: count and log it here."""
+        self.server.metrics.status(self.api, e.status)
+        log.info(json.dumps({"api": self.api, "tenant": self.tenant, "status": e.status, "error": e.message,
+                             "streamed": True}))
+
     async def _next(self) -> Update:
         u = await self.handle.updates.get()
         if u.error is not None:

@@ -333,6 +333,7 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
                     if text or lp:
                         yield sse([choice(d.index, text, None, lp)])
             except ApiError as e:  # the request failed after its stream began: say why, in the stream (as vLLM)
+                gen.stream_failed(e)
                 yield f"data: {json.dumps(e.openai_body())}\n\n"
                 yield "data: [DONE]\n\n"
                 return
