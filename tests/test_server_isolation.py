@@ -37,7 +37,7 @@ def _requests() -> list[tuple[str, dict]]:
     items = ", ".join(f"item {j} of the iso list" for j in range(40))
     return [("/v1/chat/completions", {**chat("iso-json", False), "max_tokens": 24, "response_format": {
                 "type": "json_schema", "json_schema": {"name": "trip", "schema": trip}}}),
-            ("/v1/completions", {"model": "default", "max_tokens": 64, "temperature": 0, "cache_salt": "iso-spec",
+            ("/v1/completions", {"model": "default", "max_tokens": 48, "temperature": 0, "cache_salt": "iso-spec",
                                  "prompt": f"{long_system('iso-spec')}\nA list: {items}.\nThe list again: item 0"}),
             ("/v1/chat/completions", chat("iso-chat", False)),
             ("/v1/chat/completions", chat("iso-chat-stream", True)),
@@ -99,7 +99,7 @@ def observations(tmp_path_factory, request):
                                   disk_cache=str(tmp_path_factory.mktemp(f"{name}-l2")))
         clean, primed = loaded("iso-loaded-clean"), loaded("iso-loaded-primed", log_cross_scope_misses=True)
         pool = primed.server.engine.pool
-        for i in range(2 * pool.usable_blocks * pool.block_size // 900):  # b fills the pool twice over
+        for i in range(pool.usable_blocks * pool.block_size // 900 + 1):  # b fills the whole pool
             filler = {"model": "default", "max_tokens": 1, "prompt": f"[filler {i}] " + "word " * 900}
             assert _send(primed.url, "sk-b", "/v1/completions", filler)[0] == 200
         assert pool.num_free < 8
