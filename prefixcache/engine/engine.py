@@ -172,13 +172,14 @@ class Engine:
             return []
         touched = []
         for s in [seq, *self._fork(seq)]:  # the samples of a request share its prompt's last logits
-            touched += self._isolated(s, lambda: self._next_token(s, logits[-1].clone()))
+            touched += self._isolated(s, lambda: self._next_token(s, logits[-1]))
         return touched
 
     def _next_token(self, seq: Sequence, logits: torch.Tensor) -> list[Sequence]:
         if seq.status is Status.FINISHED:  # another sample of its request failed in this step
             return []
-        if seq.matcher:  # structured output: only tokens the grammar allows next
+        if seq.matcher:  # structured output: only tokens the grammar allows next (a copy: forks share the row)
+            logits = logits.clone()
             seq.matcher.mask(logits)
         token, logprob = self.sampler.sample(logits, seq)
         if seq.matcher:

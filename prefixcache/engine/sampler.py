@@ -47,11 +47,14 @@ class Sampler:
             row.index_put_((torch.tensor(list(p.logit_bias)),), bias, accumulate=True)
         if len(seq.output_ids) < p.min_tokens:
             row[self.eos_token_ids + p.stop_token_ids] = float("-inf")
-        seen = torch.zeros(len(row), dtype=torch.bool)
-        seen[seq.tokens] = True
-        row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
-        counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.long), minlength=len(row))[:len(row)]
-        return row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+        if p.repetition_penalty != 1:
+            seen = torch.zeros(len(row), dtype=torch.bool)
+            seen[seq.tokens] = True
+            row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
+        if p.frequency_penalty or p.presence_penalty:
+            counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.long), minlength=len(row))[:len(row)]
+            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+        return row
 
     def pick(self, logits: torch.Tensor, seq: Sequence) -> int:
         """The token at the sequence's next position: the argmax, or a draw seeded by (seed, position)."""
