@@ -1,9 +1,11 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip --disable-pip-version-check -q
 
-.PHONY: setup serve test redis bench reliability peers demo clean
+.PHONY: setup serve test redis bench reliability peers demo clean kernels
 
-setup: .venv/.setup-done
+KERNELS := prefixcache/kernels/build/sources.sha256
+
+setup: .venv/.setup-done $(KERNELS)
 
 .venv/.setup-done: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -13,6 +15,14 @@ setup: .venv/.setup-done
 	$(PIP) install --no-deps xgrammar==0.2.9 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import prefixcache, torch, xgrammar; assert torch.__version__.startswith('2.13.0')"
 	touch $@
+
+# our C++ kernels, through torch's extension toolchain; without them the engine runs the torch path and says so
+$(KERNELS): .venv/.setup-done $(wildcard prefixcache/kernels/csrc/*)
+	@command -v g++ >/dev/null || { echo "installing g++ (Debian package)"; \
+		apt-get update -qq && apt-get install -y -qq g++ >/dev/null; } || echo "make: no g++: the kernels are not built"
+	$(PY) -m prefixcache.kernels.build || echo "make: the kernels did not build: the engine runs the torch path"
+
+kernels: $(KERNELS)
 
 serve: setup
 	$(PY) -m prefixcache.cli serve
@@ -50,4 +60,4 @@ peers: setup
 	bash peers/setup.sh
 
 clean:
-	rm -rf .venv bench/results
+	rm -rf .venv bench/results prefixcache/kernels/build

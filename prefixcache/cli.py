@@ -196,16 +196,21 @@ def cmd_doctor(args) -> None:
     cpu, plan, model = cpu_info(), engine.exactness, engine.runner.model
     print(f"cpu      {cpu.model}\nsimd     {' '.join(cpu.simd) or 'none'}\n"
           f"threads  {cpu.threads}\ntorch    {cpu.torch} ({cpu.blas})\n"
-          f"model    {engine.model_name} ({engine.config.dtype}, KV {engine.config.kv_dtype})")
+          f"model    {engine.model_name} ({engine.config.dtype}, KV {engine.config.kv_dtype})\n"
+          f"kernels  {plan.kernels}")
     print(f"probe    {'cached' if plan.cached else 'ran'}, {plan.probe_seconds:.2f} s; row counts whose every row "
           "equals a reference call's:")
     for c in plan.ops:
         print(f"  {c.name:10} {c.shape:12} agree {_ranges(c.agree) or '-'}; differ {_ranges(c.differ) or '-'}")
-    rows = {"pad": f"calls under {plan.m0} rows padded to {_ranges(plan.row_sizes)} rows",
-            "fixed": f"every call in chunks of {plan.m0} rows", "rows": "one row per call"}[plan.mode]
-    keys = [*plan.key_lengths, model.tile]
-    print(f"mode     {plan.mode}: {rows}; attention calls of {_ranges(plan.attn_sizes)} query rows over "
-          f"{_ranges(keys, KEY_STEP)} keys (a tile's keys padded to the next)\nnote     {plan.note}")
+    if plan.mode == "kernel":
+        print("mode     kernel: row-wise calls of any row count, unpadded; paged attention, one call per layer"
+              f"\nnote     {plan.note}")
+    else:
+        rows = {"pad": f"calls under {plan.m0} rows padded to {_ranges(plan.row_sizes)} rows",
+                "fixed": f"every call in chunks of {plan.m0} rows", "rows": "one row per call"}[plan.mode]
+        keys = [*plan.key_lengths, model.tile]
+        print(f"mode     {plan.mode}: {rows}; attention calls of {_ranges(plan.attn_sizes)} query rows over "
+              f"{_ranges(keys, KEY_STEP)} keys (a tile's keys padded to the next)\nnote     {plan.note}")
     for b in (1, 8):
         bare, run = step_ms(model, b), step_ms(model, b, plan)
         print(f"cost     b={b}: one decode step's GEMMs, norms and SwiGLU {bare:.1f} ms unpadded, {run:.1f} ms as "

@@ -2,6 +2,7 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
+from prefixcache.kernels import CHOICES as KERNEL_CHOICES
 from prefixcache.models.exactness import MODES, cpu_info
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -25,7 +26,10 @@ class Config:
     model: str = ""  # GGUF file or HF safetensors folder; "" means the default SmolLM2
     dtype: str = "float32"  # weights and activations; bfloat16 needs a CPU with avx512_bf16 or AMX
     kv_dtype: str = "auto"  # KV storage; "auto": the activation dtype. bfloat16 halves it but is lossy (opt-in)
-    exactness: str = "auto"  # how rows stay batch-invariant (models/exactness.py): auto | pad | fixed | rows
+    exactness: str = "auto"  # how rows stay batch-invariant (models/exactness.py): auto | pad | fixed | rows;
+    # auto runs our kernels where they can run (float32, a block size and head size that are multiples of 16),
+    # the others force the torch path
+    kernels: str = "auto"  # the kernel build (prefixcache/kernels): auto | avx512 | avx2 | off (the torch path)
     block_size: int = 16  # tokens per KV block
     attn_tile: int = 512  # keys per attention tile; fixed so a token's math never depends on its batch
     kv_cache_bytes: int = 2 << 30  # one budget for live and cached KV
@@ -60,7 +64,8 @@ class Config:
 
     def __post_init__(self):
         assert self.attn_tile % self.block_size == 0, "attn_tile must be a multiple of block_size"
-        for name, choices in (("dtype", DTYPES), ("kv_dtype", ("auto", *DTYPES)), ("exactness", MODES)):
+        for name, choices in (("dtype", DTYPES), ("kv_dtype", ("auto", *DTYPES)), ("exactness", MODES),
+                              ("kernels", KERNEL_CHOICES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
         if self.dtype == "bfloat16" and not (cpu := cpu_info()).has_bf16:

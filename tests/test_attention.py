@@ -31,8 +31,8 @@ def _recording_plans(llm: LLM) -> list[tuple[list[Queries], attention.AttnPlan]]
 def test_shared_prefix_tiles_are_one_call_and_bit_identical_to_unshared(tiny_model):
     """Four requests on one cached 300-token prefix decode together: each step attends the prefix's full tiles
     once for all four, and every logit equals that of the request run alone with the cache off."""
-    warm = LLM(model=tiny_model, attn_tile=64)
-    cold = LLM(model=tiny_model, attn_tile=64, enable_prefix_cache=False)
+    warm = LLM(model=tiny_model, attn_tile=64, kernels="off")
+    cold = LLM(model=tiny_model, attn_tile=64, enable_prefix_cache=False, kernels="off")
     warm.generate([PREFIX], SamplingParams(temperature=0.0, max_tokens=1))
     prompts = [PREFIX + [7 + i, 8, 9 + i] for i in range(4)]
     plans = _recording_plans(warm)
@@ -86,4 +86,4 @@ def test_the_pool_hands_out_consecutive_runs():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model) -> LLM:
-    return LLM(model=tiny_model, enable_prefix_cache=False)
+    return LLM(model=tiny_model, enable_prefix_cache=False, kernels="off")

@@ -10,11 +10,13 @@ from prefixcache.cli import main
 from prefixcache.models.exactness import ATTN_SIZES, in_calls, probe
 from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
+from prefixcache.models.rowwise import TorchOps
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model) -> LLM:
-    return LLM(model=tiny_model, enable_prefix_cache=False)
+    """On the torch path, whose row counts the probe searches (our kernels' confirmation: test_kernels.py)."""
+    return LLM(model=tiny_model, enable_prefix_cache=False, kernels="off")
 
 
 def test_probe_reports_m0_and_classes(tiny):
@@ -53,13 +55,13 @@ def test_the_fallback_can_be_forced(tiny_model, mode):
 
 
 def test_a_failing_probe_falls_back_to_rows(tiny_model):
-    plan = probe(Llama(load(tiny_model), tile=0), "auto", 64, 16)  # no keys to attend to: the probe raises
+    plan = probe(Llama(load(tiny_model), 0, TorchOps()), "auto", 64, 16)  # no keys to attend to: the probe raises
     assert plan.mode == "rows" and plan.note.startswith("probe failed: RuntimeError")
 
 
 def test_the_probe_is_cached(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("PREFIXCACHE_HOME", str(tmp_path))
-    model = Llama(load(tiny_model), tile=512)
+    model = Llama(load(tiny_model), 512, TorchOps())
     first, again = probe(model, "auto", 96, 8), probe(model, "auto", 96, 8)
     assert not first.cached and again.cached and again.summary() | {"cached": False} == first.summary()
     assert len(list((tmp_path / "exactness").iterdir())) == 1
@@ -67,6 +69,7 @@ def test_the_probe_is_cached(tiny_model, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("option, value, choices", [
     ("exactness", "strict", "auto, pad, fixed, rows"),
+    ("kernels", "sse2", "auto, avx512, avx2, off"),
     ("kv_dtype", "int4", "auto, float32, bfloat16"),
     ("dtype", "float16", "float32, bfloat16"),
 ])
@@ -102,8 +105,9 @@ def test_bfloat16_weights_need_a_cpu_with_native_bf16_and_stay_exact(tiny_model)
 
 
 def test_doctor_prints_the_cpu_the_classes_the_mode_and_its_cost(tiny_model, capsys):
-    main(["doctor", "--model", tiny_model])
+    main(["doctor", "--model", tiny_model, "--kernels", "off"])
     out = capsys.readouterr().out
-    for line in ("cpu ", "simd ", "threads ", "probe ", "  qkv ", "  attention ", "mode     pad: ", "cost     b=1: "):
+    for line in ("cpu ", "simd ", "threads ", "probe ", "  qkv ", "  attention ", "mode     pad: ", "cost     b=1: ",
+                 "kernels  off: kernels=off"):
         assert line in out, line
     assert str(ATTN_SIZES[-1]) in out

@@ -34,17 +34,18 @@ def _median(f, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def side_ours(exactness: str = "auto", dtype: str = "float32") -> dict:
-    """Our figures; exactness "off" runs the probed plan without its padding (row counts as they come, every
-    attention size and key length): what invariance costs, never a mode to serve with."""
+def side_ours(exactness: str = "auto", dtype: str = "float32", kernels: str = "auto") -> dict:
+    """Our figures; exactness "off" runs the torch path's probed plan without its padding (row counts as they come,
+    every attention size and key length): what invariance costs there, never a mode to serve with."""
     t0 = time.perf_counter()
     from prefixcache import LLM, SamplingParams
 
-    cold = LLM(enable_prefix_cache=False, exactness="auto" if exactness == "off" else exactness, dtype=dtype)
+    cold = LLM(enable_prefix_cache=False, exactness="auto" if exactness == "off" else exactness, dtype=dtype,
+               kernels=kernels)
     model = cold.engine.runner.model
     if exactness == "off":
         model.exact = _unpadded(model.exact, model.tile)
-    r = {"load_s": time.perf_counter() - t0, "exactness": cold.exactness.summary()}
+    r = {"load_s": time.perf_counter() - t0, "exactness": cold.exactness.summary(), "read_gb_s": _read_gb_s()}
     one = SamplingParams(temperature=0.0, max_tokens=1)
     chunk = cold.engine.config.max_batch_tokens
     for n in PREFILL_LENS:
@@ -54,6 +55,8 @@ def side_ours(exactness: str = "auto", dtype: str = "float32") -> dict:
     for b in (1, 8):
         r[f"decode_b{b}_step_ms"] = _decode_step_ms(cold, b)
         r[f"decode_b{b}_floor_ms"] = _gemm_ms(model, b, b, 10)
+        r[f"decode_b{b}_bytes"] = _step_bytes(cold, b, DECODE_CTX)
+        r[f"decode_b{b}_byte_floor_ms"] = r[f"decode_b{b}_bytes"] / (r["read_gb_s"] * 1e9) * 1e3
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # one engine, before the cache runs
     if exactness == "auto" and dtype == "float32":
         r.update(_cache_figures(cold))
@@ -81,6 +84,32 @@ def _greedy_agreement(llm, prompts: int = 6, tokens: int = 32) -> dict:
     first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ours, ref)]
     return {"prompts": prompts, "tokens": tokens, "identical": first.count(None),
             "first_difference": [f for f in first if f is not None]}
+
+
+def _read_gb_s() -> float:
+    """The read bandwidth of this process: a sum over 1 GiB of fp32, the best of 3 (GB/s)."""
+    import torch
+
+    x = torch.ones(1 << 28)
+    return x.numel() * 4 / 1e9 / min(_timed(x.sum) for _ in range(3))
+
+
+def _timed(f) -> float:
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+def _step_bytes(llm, b: int, ctx: int) -> int:
+    """What a decode step of b sequences at context ctx must read: every layer's weights, the LM head, and each
+    sequence's keys and values."""
+    model, c = llm.engine.runner.model, llm.engine.runner.model.config
+    itemsize = model.embed.dtype.itemsize
+    weights = sum(op.args[0].shape[0] * op.args[0].shape[1] for i in range(c.num_layers)
+                  for op in model.row_ops(i) if op.name in GEMMS)
+    head = c.vocab_size * c.hidden_size
+    kv = b * ctx * c.num_layers * 2 * c.num_kv_heads * c.head_dim * llm.engine.pool.k.dtype.itemsize
+    return (weights + head) * itemsize + kv
 
 
 def _unpadded(plan, tile: int):
@@ -111,13 +140,11 @@ def _gemm_ms(model, rows: int, head_rows: int, repeats: int = REPEATS) -> float:
     `head_rows`, in this process (median ms)."""
     import torch
 
-    from prefixcache.models.llama import _linear
-
     c = model.config
     calls = [(rows, op.args) for i in range(c.num_layers) for op in model.row_ops(i) if op.name in GEMMS]
     calls += [(head_rows, (model.lm_head,))]
     xs = [torch.randn(m, args[0].shape[1], dtype=model.embed.dtype) for m, args in calls]
-    return _median(lambda: [_linear(x, *args) for x, (m, args) in zip(xs, calls) if m], repeats) * 1e3
+    return _median(lambda: [model.ops.linear(x, *args) for x, (m, args) in zip(xs, calls) if m], repeats) * 1e3
 
 
 def _cache_figures(cold) -> dict:
@@ -219,31 +246,37 @@ def side_hf() -> dict:
     return r
 
 
-def _run_side(name: str, exactness: str = "auto", dtype: str = "float32") -> dict:
+def _run_side(name: str, exactness: str = "auto", dtype: str = "float32", kernels: str = "auto") -> dict:
     out = subprocess.run([sys.executable, "-m", "prefixcache.bench.engine", "--side", name, "--exactness", exactness,
-                          "--dtype", dtype], capture_output=True, text=True, check=True)
+                          "--dtype", dtype, "--kernels", kernels], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def report(sides: dict[str, dict], hf: dict, cpu: str) -> str:
-    """sides: our variants by column name, "prefixcache" first; each figure with its ratio to that side's own
-    GEMM floor."""
+    """sides: our variants by column name, "prefixcache" first; prefill with its ratio to that side's own GEMM
+    floor, decode with its ratio to the byte floor."""
     ours = sides["prefixcache"]
-    lines = ["# Engine benchmark", "", f"SmolLM2-135M-Instruct on {cpu}. Each of our figures is followed by its "
-             "ratio to the GEMM floor: the model's weight GEMMs alone at the step's own unpadded row count, in the "
-             "weights' dtype, timed in the same process (prefill: chunks of 512 rows). Padding off: the probed plan "
-             "without its padding (not exact; what exactness costs). Fixed fallback: the guaranteed plan, forced. "
-             f"Decode steps at context {DECODE_CTX}.", "",
+    lines = ["# Engine benchmark", "", f"SmolLM2-135M-Instruct on {cpu}; prefixcache runs "
+             f"{ours['exactness']['kernels'] or 'the torch path'}. Decode steps at context {DECODE_CTX}, followed by "
+             "their ratio to the byte floor: the bytes a step must read (every layer's weights, the LM head, the "
+             "keys and values it attends to) over the read bandwidth measured in the same process. Prefill, by its "
+             "ratio to the GEMM floor: the model's weight GEMMs alone, unpadded, in chunks of 512 rows, on that "
+             "side's own GEMM. Torch path: our kernels off. Padding off: the torch path's probed plan without its "
+             "padding (not exact; what exactness costs there; on our kernels nothing is padded). Fixed fallback: "
+             "the torch path's guaranteed plan, forced.", "",
              "| figure | " + " | ".join(sides) + " | HF transformers fp32 | HF / prefixcache |",
              "|---|" + "---|" * (len(sides) + 2)]
     for label, key, floor in [("prefill 1k (s)", "prefill_1024_s", "prefill_1024_floor_s"),
                               ("prefill 4k (s)", "prefill_4096_s", "prefill_4096_floor_s"),
-                              ("decode step b=1 (ms)", "decode_b1_step_ms", "decode_b1_floor_ms"),
-                              ("decode step b=8 (ms)", "decode_b8_step_ms", "decode_b8_floor_ms")]:
+                              ("decode step b=1 (ms)", "decode_b1_step_ms", "decode_b1_byte_floor_ms"),
+                              ("decode step b=8 (ms)", "decode_b8_step_ms", "decode_b8_byte_floor_ms")]:
         cells = [f"{r[key]:.3g} ({r[key] / r[floor]:.2f}x)" for r in sides.values()]
         lines.append(f"| {label} | {' | '.join(cells)} | {hf[key]:.3g} | {hf[key] / ours[key]:.2f}x |")
-    for label, key in (("GEMM floor, decode b=1 (ms)", "decode_b1_floor_ms"),
+    for label, key in (("byte floor, decode b=1 (ms)", "decode_b1_byte_floor_ms"),
+                       ("byte floor, decode b=8 (ms)", "decode_b8_byte_floor_ms"),
+                       ("GEMM floor, decode b=1 (ms)", "decode_b1_floor_ms"),
                        ("GEMM floor, decode b=8 (ms)", "decode_b8_floor_ms"),
+                       ("read bandwidth (GB/s)", "read_gb_s"),
                        ("load time (s)", "load_s"), ("peak RSS (MB)", "peak_rss_mb")):
         hf_cells = f"{hf[key]:.3g} | {hf[key] / ours[key]:.2f}x" if key in hf else " | "
         lines.append(f"| {label} | {' | '.join(f'{r[key]:.3g}' for r in sides.values())} | {hf_cells} |")
@@ -268,16 +301,17 @@ def main() -> None:
     ap.add_argument("--side", choices=["ours", "hf"])
     ap.add_argument("--exactness", default="auto", help="ours: the exactness mode (Config.exactness), or off")
     ap.add_argument("--dtype", default="float32", help="ours: the weights' dtype (Config.dtype)")
+    ap.add_argument("--kernels", default="auto", help="ours: the kernel build (Config.kernels)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     if args.side:
-        print(json.dumps(side_ours(args.exactness, args.dtype) if args.side == "ours" else side_hf()))
+        print(json.dumps(side_ours(args.exactness, args.dtype, args.kernels) if args.side == "ours" else side_hf()))
         return
     from prefixcache.models.exactness import cpu_info
 
     cpu = cpu_info()
-    sides = {"prefixcache": _run_side("ours"), "padding off": _run_side("ours", "off"),
-             "fixed fallback": _run_side("ours", "fixed")}
+    sides = {"prefixcache": _run_side("ours"), "torch path": _run_side("ours", kernels="off"),
+             "padding off": _run_side("ours", "off", kernels="off"), "fixed fallback": _run_side("ours", "fixed")}
     if cpu.has_bf16:
         sides["bf16 weights"] = _run_side("ours", dtype="bfloat16")
     hf = _run_side("hf")

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from prefixcache import kernels
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.pool import KVPool
 from prefixcache.cache.scope import CacheScope
@@ -26,6 +27,7 @@ from prefixcache.engine.sequence import Fault, RequestOutput, SamplingParams, Se
 from prefixcache.engine.speculation import Speculation
 from prefixcache.engine.tiering import open_tiers
 from prefixcache.models.exactness import probe
+from prefixcache.models.rowwise import KernelOps, TorchOps
 from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
 
@@ -64,8 +66,10 @@ class Engine:
             self.blocks.attach(open_tiers(config, c, self.replica_id))
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps,
                                    config.shared_chunk)
-        model = Llama(weights, config.attn_tile)
-        self.exactness = model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs)
+        ops, status = _ops(config, c.head_dim)
+        model = Llama(weights, config.attn_tile, ops)
+        self.exactness = model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs,
+                                             status)
         self.runner = ModelRunner(model, self.pool, config.max_num_seqs)
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
@@ -363,3 +367,15 @@ class Engine:
         seq.finish_time = now
         self.scheduler.finish(seq)
         self.speculation.drafter.record(seq.scope, seq.tokens, len(seq.output_ids))
+
+
+def _ops(config: Config, head_dim: int) -> tuple[KernelOps | TorchOps, str]:
+    """Our kernels where they can run, else torch's; and what runs, or why the kernels do not."""
+    unfit = [why for why, bad in (("float32 only", config.dtype != "float32" or config.kv_dtype != "float32"),
+                                  (f"exactness={config.exactness!r} forces the torch path", config.exactness != "auto"),
+                                  ("block size and head size must be multiples of 16",
+                                   config.block_size % 16 or head_dim % 16)) if bad]
+    if config.kernels == "off" or unfit:
+        return TorchOps(), f"off: {'; '.join(unfit) or 'kernels=off'}"
+    choice = kernels.choose(config.kernels)
+    return (KernelOps(choice.isa, choice.index) if choice.isa else TorchOps()), choice.status

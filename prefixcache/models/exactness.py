@@ -16,7 +16,11 @@ Attention runs in calls of exactly q query rows per (tile, kv head), with q from
 rows: 1), and of the keys of a whole tile or of a shorter length found to give the same bits (on the Zen 4: up to
 192 and from 384 keys of a 512-key tile, not between). RoPE, the residual adds and the embedding need no plan: each output element is one
 IEEE operation (or a copy) of its own row's values, which no vector width or thread split changes.
-Results are cached per CPU, flags, library versions, threads, shapes and the source of the ops and the probe,
+On our kernels (models/rowwise.py KernelOps, models/paged.py) none of that is needed: every output's arithmetic
+is fixed by the problem's own sizes. The probe then confirms it (mode "kernel"): every row count of every row-wise
+op gives the reference's bits, attention rows equal whatever their batch, items and block placement, and each op
+agrees with a float64 reference. A kernel that fails any of this is dropped for the torch path, which is probed.
+Results are cached per CPU, flags, library versions, threads, shapes and the source of the ops, kernels and probe,
 under $PREFIXCACHE_HOME/exactness.
 """
 import hashlib
@@ -33,13 +37,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
-from prefixcache.models import attention
+from prefixcache import kernels
+from prefixcache.models import attention, paged
 from prefixcache.models.attention import Queries
+from prefixcache.models.rowwise import TorchOps
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "pad", "fixed", "rows")
+MODES = ("auto", "pad", "fixed", "rows")  # the probe may also choose "kernel", when the model runs on our kernels
 PAD_LIMIT = 64  # pad only below this many rows: probed densely, and padding further costs too much
 CHUNKS = (16, 8, 4, 2)  # fixed-mode chunk sizes, tried in order
 ATTN_SIZES = (*range(1, 17), 24, 32, 48, 64, 128, 256)  # query rows per attention call; the last is the reference
@@ -96,7 +103,7 @@ class RowOp:
 
     @property
     def shape(self) -> str:
-        tensors = [a for a in self.args if isinstance(a, torch.Tensor)]
+        tensors = [a for a in self.args if hasattr(a, "shape")]
         return " ".join("x".join(map(str, t.shape)) for t in tensors) or str(self.width)
 
 
@@ -111,7 +118,7 @@ class OpClasses:
 
 @dataclass
 class Exactness:
-    mode: str  # "pad", "fixed" or "rows"
+    mode: str  # "kernel", "pad", "fixed" or "rows"
     m0: int  # pad: calls of at least m0 rows are row-invariant; fixed, rows: the rows of every call
     row_sizes: list[int]  # rows a row-wise call may have below m0 (pad, ending with m0), or always (fixed, rows)
     attn_sizes: list[int]  # query rows per (tile, kv head) an attention call may have
@@ -121,10 +128,11 @@ class Exactness:
     key_lengths: list[int] = field(default_factory=list)  # keys an attention call may have below a whole tile
     probe_seconds: float = 0.0
     cached: bool = False
+    kernels: str = ""  # which kernel build runs, or why none does
 
     def call_rows(self, m: int) -> int:
         """Rows per call when a row-wise op computes m rows: m itself, or the size to pad to, or the chunk."""
-        if self.mode == "pad" and m >= self.m0:
+        if self.mode in ("kernel", "pad") and m >= self.m0:
             return m
         return next((s for s in self.row_sizes if s >= m), self.row_sizes[-1])
 
@@ -158,18 +166,37 @@ def rows_plan(cpu: str, note: str) -> Exactness:
     return Exactness("rows", 1, [1], [1], cpu, note)
 
 
-def probe(model, mode: str, max_rows: int, max_head_rows: int) -> Exactness:
-    """The plan for `model` (a Llama: row_ops(), attend(), config, tile, embed) on this CPU, from the cache or a
-    probe. Never raises: a failed probe gives the rows plan, and says so."""
+def probe(model, mode: str, max_rows: int, max_head_rows: int, kernel_status: str = "") -> Exactness:
+    """The plan for `model` (a Llama: row_ops(), attn_plan(), config, tile, embed, paged, use()) on this CPU, from
+    the cache or a probe. On our kernels it confirms them, or moves the model to the torch path and probes that.
+    Never raises: a failed probe gives the rows plan, and says so."""
     assert mode in MODES, mode
-    cpu = cpu_info()
+    if model.paged:
+        plan = _cached(model, "kernel", max_rows, max_head_rows, _confirm)
+        if plan.mode == "kernel":
+            plan.kernels = kernel_status
+            return plan
+        kernel_status = f"off: failed the startup check ({plan.note})"
+        log.warning("prefixcache kernels: %s; running the torch path", kernel_status)
+        model.use(TorchOps())
     if mode == "rows":
-        return rows_plan(str(cpu), "forced")
+        plan = rows_plan(str(cpu_info()), "forced")
+    else:
+        plan = _cached(model, mode, max_rows, max_head_rows, _search)
+    plan.kernels = kernel_status
+    return plan
+
+
+def _cached(model, mode: str, max_rows: int, max_head_rows: int, find: Callable[..., Exactness]) -> Exactness:
+    """find(model, mode, max_rows, max_head_rows, cpu), or its result cached for the same CPU, code and shapes."""
+    cpu = cpu_info()
     ops, dtype = model.row_ops(), model.embed.dtype
     max_rows = max(max_rows, PAD_LIMIT)  # probe the pad regime whatever the batch limit
     env = {k: v for k, v in os.environ.items() if k.startswith(("MKL_", "OMP_", "KMP_", "ONEDNN_", "DNNL_", "ATEN_"))}
-    code = "".join(inspect.getsource(sys.modules[m]) for m in (__name__, type(model).__module__, attention.__name__))
-    key = json.dumps([code, mode, asdict(cpu), env, str(dtype), max_rows, max_head_rows,
+    code = "".join(inspect.getsource(sys.modules[m]) for m in (__name__, type(model).__module__, attention.__name__,
+                                                                paged.__name__, type(model.ops).__module__))
+    code += kernels.source_hash() if model.paged else ""
+    key = json.dumps([code, mode, model.ops.name, asdict(cpu), env, str(dtype), max_rows, max_head_rows,
                       [(o.name, o.shape) for o in ops], [model.config.num_kv_heads, model.config.head_dim, model.tile]])
     home = os.environ.get("PREFIXCACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "prefixcache"))
     path = os.path.join(home, "exactness", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
@@ -181,8 +208,7 @@ def probe(model, mode: str, max_rows: int, max_head_rows: int) -> Exactness:
         pass
     t0 = time.perf_counter()
     try:
-        plan = _choose(ops, _attention(model, dtype), mode, max_rows, max_head_rows, dtype, str(cpu))
-        plan.key_lengths = _key_lengths(model, dtype, plan.attn_sizes)
+        plan = find(model, mode, max_rows, max_head_rows, str(cpu))
     except Exception as e:  # noqa: BLE001 -- a probe must never stop the engine
         log.warning("exactness probe failed (%r): computing one row per call", e)
         return rows_plan(str(cpu), f"probe failed: {e!r}")
@@ -201,6 +227,79 @@ def probe(model, mode: str, max_rows: int, max_head_rows: int) -> Exactness:
 
 # A probe target: g(lo, hi, size) computes rows lo..hi of the probe input in calls of `size` rows, rows first.
 Target = Callable[[int, int, int], torch.Tensor]
+
+
+def _search(model, mode: str, max_rows: int, max_head_rows: int, cpu: str) -> Exactness:
+    dtype = model.embed.dtype
+    plan = _choose(model.row_ops(), _attention(model, dtype), mode, max_rows, max_head_rows, dtype, cpu)
+    plan.key_lengths = _key_lengths(model, dtype, plan.attn_sizes)
+    return plan
+
+
+def _confirm(model, mode: str, max_rows: int, max_head_rows: int, cpu: str) -> Exactness:
+    """Mode "kernel" if every row count of every row-wise op gives the reference's bits, paged attention gives each
+    row the bits it gets alone, and each agrees with float64; else mode "failed", the note saying what broke."""
+    gen = torch.Generator().manual_seed(0)
+    ops = model.row_ops()
+    classes = [_classes(op.name, op.shape, _row_target(op, max_rows + 1, model.embed.dtype, gen),
+                        list(range(1, max_head_rows + 1)) if op.head else _sizes(max_rows)) for op in ops]
+    broken = [f"{c.name} differs at {c.differ[:4]} rows" for c in classes if c.differ]
+    broken += _paged_problems(model, gen) + _accuracy_problems(model, gen)
+    if broken:
+        return Exactness("failed", 1, [1], [1], cpu, "; ".join(broken), classes)
+    return Exactness("kernel", 1, [1], [], cpu, f"{model.ops.name} kernels: every row count from 1 to {max_rows} "
+                     "agrees, and attention rows equal alone, batched and with moved blocks", classes)
+
+
+def _paged_problems(model, gen: torch.Generator) -> list[str]:
+    """Paged attention on 40 tokens of one sequence (2 tiles of keys in shuffled blocks): as one query, as 40
+    one-token queries (grouped as decode), one by one, and with every block moved, each row's bits must match."""
+    c, keys, bs = model.config, 2 * model.tile, KEY_STEP
+    q = torch.randn(40, c.num_heads, c.head_dim, generator=gen)
+    k, v = (torch.randn(keys + bs, c.num_kv_heads, c.head_dim, generator=gen) for _ in range(2))
+    pos = sorted(torch.randint(0, keys, (len(q),), generator=gen).tolist())
+    table = (1 + torch.randperm(keys // bs, generator=gen)).tolist()
+    moved = (1 + torch.randperm(keys // bs, generator=gen)).tolist()  # the same keys in other blocks
+    k2, v2 = k.clone(), v.clone()
+    for a, b in zip(table, moved):
+        k2[b * bs:(b + 1) * bs], v2[b * bs:(b + 1) * bs] = k[a * bs:(a + 1) * bs], v[a * bs:(a + 1) * bs]
+
+    def run(queries, rows, kp=k, vp=v):
+        return paged.attend(rows, kp, vp, paged.plan(queries, len(rows), bs), model.ops.isa)
+    whole = run([Queries(0, pos, keys, table)], q)
+    ways = {"one-token queries": run([Queries(i, [p], keys, table) for i, p in enumerate(pos)], q),
+            "one by one": torch.cat([run([Queries(0, [p], keys, table)], q[i:i + 1]) for i, p in enumerate(pos)]),
+            "moved blocks": run([Queries(0, pos, keys, moved)], q, k2, v2)}
+    problems = [f"attention differs {how}" for how, out in ways.items() if not torch.equal(out, whole)]
+    ref = torch.stack([_attention64(q[i], k[_slots(table, p, bs)], v[_slots(table, p, bs)]) for i, p in enumerate(pos)])
+    err = ((whole.double() - ref).abs().max() / ref.abs().max()).item()
+    return problems + ([f"attention off float64 by {err:.1e}"] if err > 1e-5 else [])
+
+
+def _accuracy_problems(model, gen: torch.Generator) -> list[str]:
+    """Each row-wise op on 17 random rows against the same op in float64 on torch."""
+    ref_ops, problems = TorchOps(), []
+    for op in model.row_ops():
+        x = torch.randn(17, op.width, generator=gen)
+        args64 = [ref_ops.prepare(a).double() if hasattr(a, "shape") else a for a in op.args]
+        fn64 = F.linear if op.fn.__name__ == "linear" else getattr(ref_ops, op.fn.__name__)
+        ref = fn64(x.double(), *args64)
+        err = ((op.fn(x, *op.args).double() - ref).abs().max() / ref.abs().max()).item()
+        if err > 1e-5:
+            problems.append(f"{op.name} off float64 by {err:.1e}")
+    return problems
+
+
+def _attention64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [heads, d] over k, v [keys, kv heads, d], in float64."""
+    group = q.shape[0] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
+    w = torch.softmax((k @ q.double().unsqueeze(-1)).squeeze(-1) * q.shape[-1] ** -0.5, dim=-1)
+    return (w.unsqueeze(1) @ v).squeeze(1)
+
+
+def _slots(table: list[int], pos: int, bs: int) -> torch.Tensor:
+    return torch.tensor([table[p // bs] * bs + p % bs for p in range(pos + 1)])
 
 
 def _choose(ops: list[RowOp], attention: Target, mode: str, max_rows: int, max_head_rows: int, dtype: torch.dtype,

@@ -1,0 +1,38 @@
+// The kernels each ISA build provides, over a range of independent work (panels, rows or attention units) that
+// ops.cpp hands to threads. Each output's arithmetic is fixed by the problem's own sizes: no range, thread or ISA
+// changes a bit of it.
+#pragma once
+#include <cstdint>
+
+struct AttnArgs {
+  const float* q;          // [tokens, heads, d]
+  const float* k;          // [slots, kv_heads, d], one layer of the pool
+  const float* v;
+  float* out;              // [tokens, heads, d]
+  const int64_t* pos;      // [tokens] a token attends keys 0..pos of its sequence
+  const int32_t* tables;   // [seqs, max_blocks] pool block of each block of keys
+  const int32_t* row_seq;  // [tokens] the token's row in tables
+  const int32_t* order;    // token indices, item after item
+  const int32_t* items;    // [num_items + 1] offsets into order
+  int64_t heads, kv_heads, d, max_blocks, block_size;
+  float scale;
+};
+
+constexpr int KEY_BLOCK = 16;    // keys per step of a row's online softmax, aligned to absolute positions
+constexpr int ITEM_TOKENS = 16;  // most tokens in one attention item
+
+// scratch floats one attention unit needs
+inline int64_t attn_scratch(const AttnArgs& a) {
+  return ITEM_TOKENS * (a.heads / a.kv_heads) * (a.d + 2) + a.d * KEY_BLOCK + KEY_BLOCK;
+}
+
+#define PC_DECLARE(ns)                                                                                         \
+  namespace ns {                                                                                               \
+  void linear(const float* x, int64_t m, int64_t k, const float* packed, const float* bias, float* y,          \
+              int64_t n, int64_t p0, int64_t p1);                                                              \
+  void rms_norm(const float* x, const float* w, float* y, int64_t k, float eps, int64_t r0, int64_t r1);       \
+  void silu_mul(const float* gate_up, float* y, int64_t i, int64_t r0, int64_t r1);                            \
+  void attend(const AttnArgs& a, float* scratch, int64_t u0, int64_t u1);                                      \
+  }
+PC_DECLARE(avx512)
+PC_DECLARE(avx2)

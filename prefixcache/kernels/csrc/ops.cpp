@@ -1,0 +1,137 @@
+// torch ops prefixcache::{supported, linear, rms_norm, silu_mul, attend}: argument checks, threads, and the ISA
+// build each call names. Threads split panels, rows or attention units, never a reduction.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+struct Isa {
+  const char* name;
+  decltype(&avx2::linear) linear;
+  decltype(&avx2::rms_norm) rms_norm;
+  decltype(&avx2::silu_mul) silu_mul;
+  decltype(&avx2::attend) attend;
+};
+const Isa AVX512{"avx512", avx512::linear, avx512::rms_norm, avx512::silu_mul, avx512::attend};
+const Isa AVX2{"avx2", avx2::linear, avx2::rms_norm, avx2::silu_mul, avx2::attend};
+bool supports(const char* name) {
+  __builtin_cpu_init();
+  if (std::string(name) == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+// the builds this CPU can run, best first; an op's isa argument indexes {avx512, avx2}
+std::vector<std::string> supported() {
+  std::vector<std::string> names;
+  for (const Isa* isa : {&AVX512, &AVX2})
+    if (supports(isa->name)) names.push_back(isa->name);
+  return names;
+}
+
+const Isa& pick(int64_t isa) {
+  TORCH_CHECK(isa == 0 || isa == 1, "prefixcache kernels: isa 0 (avx512) or 1 (avx2)");
+  const Isa& chosen = isa == 0 ? AVX512 : AVX2;
+  TORCH_CHECK(supports(chosen.name), "prefixcache kernels: this CPU cannot run the ", chosen.name, " build");
+  return chosen;
+}
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), name, " must be a contiguous float32 tensor");
+}
+
+// x [m, k] @ w.T for w packed by panels of 16 rows: packed [ceil(n / 16), k, 16]
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n, int64_t isa) {
+  check_f32(x, "x");
+  check_f32(packed, "packed");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == 16 && packed.size(1) == x.size(1) &&
+                  packed.size(0) == (n + 15) / 16, "linear: shapes do not match");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    check_f32(*bias, "bias");
+    TORCH_CHECK(bias->numel() == n, "linear: bias size");
+    b = bias->data_ptr<float>();
+  }
+  const Isa& k = pick(isa);
+  const int64_t m = x.size(0), kk = x.size(1), panels = packed.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { k.linear(xp, m, kk, wp, b, yp, n, p0, p1); });
+  return y;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa) {
+  check_f32(x, "x");
+  check_f32(w, "weight");
+  TORCH_CHECK(x.dim() == 2 && w.numel() == x.size(1), "rms_norm: shapes do not match");
+  const Isa& k = pick(isa);
+  at::Tensor y = at::empty_like(x);
+  const int64_t cols = x.size(1);
+  at::parallel_for(0, x.size(0), 16, [&](int64_t r0, int64_t r1) {
+    k.rms_norm(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), cols, (float)eps, r0, r1);
+  });
+  return y;
+}
+
+// gate_up [m, 2 i] -> silu(gate) * up [m, i]
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) {
+  check_f32(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: [rows, 2 * inter] expected");
+  const Isa& k = pick(isa);
+  const int64_t inter = gate_up.size(1) / 2;
+  at::Tensor y = at::empty({gate_up.size(0), inter}, gate_up.options());
+  at::parallel_for(0, gate_up.size(0), 16, [&](int64_t r0, int64_t r1) {
+    k.silu_mul(gate_up.data_ptr<float>(), y.data_ptr<float>(), inter, r0, r1);
+  });
+  return y;
+}
+
+// Paged causal attention for every token of the step in one call: q [tokens, heads, d] over a layer's pool
+// k, v [slots, kv heads, d]; token t attends keys 0..pos[t] of sequence row_seq[t], found through tables.
+// Items (offsets into order) group tokens that read the same blocks; they change loads, never a token's bits.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
+                  const at::Tensor& tables, const at::Tensor& row_seq, const at::Tensor& order,
+                  const at::Tensor& items, int64_t block_size, double scale, int64_t isa) {
+  check_f32(q, "q");
+  check_f32(k, "k");
+  check_f32(v, "v");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2) &&
+                  q.size(1) % k.size(1) == 0 && q.size(2) % 16 == 0, "attend: shapes do not match");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && tables.scalar_type() == at::kInt && row_seq.scalar_type() == at::kInt &&
+                  order.scalar_type() == at::kInt && items.scalar_type() == at::kInt, "attend: index dtypes");
+  TORCH_CHECK(pos.is_contiguous() && tables.is_contiguous() && row_seq.is_contiguous() && order.is_contiguous() &&
+                  items.is_contiguous() && tables.dim() == 2, "attend: index layout");
+  TORCH_CHECK(block_size % KEY_BLOCK == 0, "attend: block_size must be a multiple of ", KEY_BLOCK);
+  const Isa& kern = pick(isa);
+  at::Tensor out = at::zeros_like(q);
+  AttnArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+             pos.data_ptr<int64_t>(), tables.data_ptr<int32_t>(), row_seq.data_ptr<int32_t>(),
+             order.data_ptr<int32_t>(), items.data_ptr<int32_t>(), q.size(1), k.size(1), q.size(2),
+             tables.size(1), block_size, (float)scale};
+  const int64_t units = (items.numel() - 1) * a.kv_heads;
+  const int32_t* it = items.data_ptr<int32_t>();
+  for (int64_t i = 0; i + 1 < items.numel(); i++)
+    TORCH_CHECK(it[i + 1] - it[i] <= ITEM_TOKENS && it[i + 1] >= it[i], "attend: an item holds at most ", ITEM_TOKENS, " tokens");
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> scratch(attn_scratch(a));
+    kern.attend(a, scratch.data(), u0, u1);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(prefixcache, m) {
+  m.def("supported() -> str[]", &supported);
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, int isa) -> Tensor", &linear);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor", &rms_norm);
+  m.def("silu_mul(Tensor gate_up, int isa) -> Tensor", &silu_mul);
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor tables, Tensor row_seq, Tensor order, "
+        "Tensor items, int block_size, float scale, int isa) -> Tensor", &attend);
+}

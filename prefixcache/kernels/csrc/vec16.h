@@ -1,0 +1,125 @@
+// Sixteen fp32 lanes: one AVX-512 register, or two AVX2 registers. Every operation is lane-wise IEEE arithmetic
+// (or an exact select, max or shuffle), and the few that cross lanes (hsum) add in one fixed tree, so the AVX2 and
+// AVX-512 builds of a kernel give the same bits.
+#pragma once
+#include <immintrin.h>
+
+
+// every definition here is per ISA: the two builds must not share an inline function the linker could merge
+namespace PC_NS {
+
+#if defined(PC_AVX512)
+struct V16 {
+  __m512 v;
+  static V16 zero() { return {_mm512_setzero_ps()}; }
+  static V16 set1(float x) { return {_mm512_set1_ps(x)}; }
+  static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static V16 load_n(const float* p, int n) { return {_mm512_maskz_loadu_ps(mask(n), p)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store_n(float* p, int n) const { _mm512_mask_storeu_ps(p, mask(n), v); }
+  // lanes below n keep their value, the others get `fill`
+  V16 first_n(int n, float fill) const { return {_mm512_mask_blend_ps(mask(n), _mm512_set1_ps(fill), v)}; }
+  V16 lt_select(V16 limit, V16 a, V16 b) const {  // lanes where this < limit take a, the others b
+    return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, limit.v, _CMP_LT_OQ), b.v, a.v)};
+  }
+  V16 round() const { return {_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+  V16 pow2i() const {  // 2^v for integral v in [-126, 127]
+    __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(127));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
+  }
+  float first() const { return _mm512_cvtss_f32(v); }
+  float hmax() const { return _mm512_reduce_max_ps(v); }  // max is exact in any order
+  float hsum() const {
+    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    return hsum8(s8);
+  }
+  static __mmask16 mask(int n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
+  static float hsum8(__m256 s8) {
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  }
+};
+inline V16 operator+(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 operator-(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V16 operator*(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 operator/(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline V16 vmin(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }
+
+#elif defined(PC_AVX2)
+struct V16 {
+  __m256 lo, hi;
+  static V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static V16 load_n(const float* p, int n) {
+    return {_mm256_maskload_ps(p, mask8(n)), _mm256_maskload_ps(p + 8, mask8(n - 8))};
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, lo); _mm256_storeu_ps(p + 8, hi); }
+  void store_n(float* p, int n) const { _mm256_maskstore_ps(p, mask8(n), lo); _mm256_maskstore_ps(p + 8, mask8(n - 8), hi); }
+  V16 first_n(int n, float fill) const {
+    __m256 f = _mm256_set1_ps(fill);
+    return {_mm256_blendv_ps(f, lo, _mm256_castsi256_ps(mask8(n))),
+            _mm256_blendv_ps(f, hi, _mm256_castsi256_ps(mask8(n - 8)))};
+  }
+  V16 lt_select(V16 limit, V16 a, V16 b) const {
+    return {_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(lo, limit.lo, _CMP_LT_OQ)),
+            _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(hi, limit.hi, _CMP_LT_OQ))};
+  }
+  V16 round() const {
+    const int r = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return {_mm256_round_ps(lo, r), _mm256_round_ps(hi, r)};
+  }
+  V16 pow2i() const {
+    __m256i b = _mm256_set1_epi32(127);
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(lo), b), 23)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(hi), b), 23))};
+  }
+  float first() const { return _mm256_cvtss_f32(lo); }
+  float hmax() const {
+    __m256 m8 = _mm256_max_ps(lo, hi);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+  }
+  float hsum() const {
+    __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  }
+  static __m256i mask8(int n) {  // lanes below n all ones
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+};
+inline V16 operator+(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 operator-(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V16 operator*(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 operator/(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline V16 fma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V16 vmin(V16 a, V16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+#else
+#error "build with -DPC_AVX512 or -DPC_AVX2"
+#endif
+
+// e^x from the same fma, round and exponent-shift steps on every lane (about 2 ulp); 0 below -87.3
+inline V16 vexp(V16 x) {
+  const V16 lo = V16::set1(-87.3f);
+  V16 c = vmin(vmax(x, lo), V16::set1(88.3f));
+  V16 n = (c * V16::set1(1.44269504088896341f)).round();
+  V16 r = fma(n, V16::set1(-0.693145751953125f), c);
+  r = fma(n, V16::set1(-1.428606765330187045e-06f), r);
+  V16 p = V16::set1(1.9875691500e-4f);
+  p = fma(p, r, V16::set1(1.3981999507e-3f));
+  p = fma(p, r, V16::set1(8.3334519073e-3f));
+  p = fma(p, r, V16::set1(4.1665795894e-2f));
+  p = fma(p, r, V16::set1(1.6666665459e-1f));
+  p = fma(p, r, V16::set1(5.0000001201e-1f));
+  p = fma(p * r, r, r) + V16::set1(1.0f);
+  return x.lt_select(lo, V16::zero(), p * n.pow2i());
+}
+
+}  // namespace PC_NS

@@ -1,0 +1,58 @@
+"""Paged attention on our kernel: every query token of a step in one call per layer, over the block table.
+
+A (token, head) row runs its own online softmax over key blocks 0, 1, ... of 16 keys (aligned to absolute
+positions), each found through its sequence's block table where it lies: no gather, no padding, no tiles. Its bits
+depend on its query and its keys only, whatever the batch, the chunking or the blocks' places in the pool.
+Items group tokens that read the same blocks (one sequence's tokens; decode tokens of sequences whose first block
+is the same, as n samples of one prompt or a shared cached prefix), so those blocks are loaded once per item.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from prefixcache.models.attention import Queries
+
+ITEM_TOKENS = 16  # as csrc/kernels.h
+
+
+@dataclass
+class PagedPlan:
+    pos: torch.Tensor  # [tokens] int64
+    tables: torch.Tensor  # [sequences, max blocks] int32
+    row_seq: torch.Tensor  # [tokens] int32: the token's row in tables
+    order: torch.Tensor  # [tokens] int32: tokens, item after item
+    items: torch.Tensor  # [items + 1] int32: offsets into order
+    block_size: int
+
+
+def plan(groups: list[Queries], num_tokens: int, block_size: int) -> PagedPlan:
+    pos = torch.zeros(num_tokens, dtype=torch.int64)
+    row_seq = torch.zeros(num_tokens, dtype=torch.int32)
+    width = max(len(g.block_table) for g in groups)
+    tables = torch.zeros(len(groups), width, dtype=torch.int32)
+    decode: dict[int, list[int]] = {}  # first block -> decode tokens
+    order, items = [], [0]
+    for s, g in enumerate(groups):
+        rows = range(g.first, g.first + len(g.positions))
+        pos[rows.start:rows.stop] = torch.tensor(g.positions)
+        row_seq[rows.start:rows.stop] = s
+        tables[s, :len(g.block_table)] = torch.tensor(g.block_table, dtype=torch.int32)
+        if len(rows) == 1:
+            decode.setdefault(g.block_table[0], []).append(rows.start)
+            continue
+        for i in range(0, len(rows), ITEM_TOKENS):
+            order += rows[i:i + ITEM_TOKENS]
+            items.append(len(order))
+    for tokens in decode.values():
+        for i in range(0, len(tokens), ITEM_TOKENS):
+            order += tokens[i:i + ITEM_TOKENS]
+            items.append(len(order))
+    assert len(order) == num_tokens, "every token belongs to one sequence's queries"
+    return PagedPlan(pos, tables, row_seq, torch.tensor(order, dtype=torch.int32),
+                     torch.tensor(items, dtype=torch.int32), block_size)
+
+
+def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: PagedPlan, isa: int) -> torch.Tensor:
+    """q [tokens, heads, d] over one layer's pool k, v [slots, kv heads, d] -> [tokens, heads, d]."""
+    return torch.ops.prefixcache.attend(q.contiguous(), k_pool, v_pool, p.pos, p.tables, p.row_seq, p.order, p.items,
+                                        p.block_size, q.shape[-1] ** -0.5, isa)

@@ -1,0 +1,73 @@
+"""The forward's row-wise ops (GEMMs, RMSNorm, SwiGLU), on torch or on our kernels: one object of either class.
+
+TorchOps: torch's CPU kernels, whose results can depend on a call's row count, so the exactness probe finds the
+row counts to call them with (models/exactness.py). KernelOps: ours (prefixcache/kernels), where every output's
+arithmetic is fixed by K alone, so any row count gives the same bits; the probe confirms it.
+A weight is stored as its ops want it (`prepare`): torch's [n, k], or ours packed in panels of 16 rows.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+_onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # in every x86-64 build of torch
+
+
+@dataclass
+class Packed:
+    """A weight [n, k] as panels of 16 rows, [ceil(n / 16), k, 16] (the last zero-padded): the kernel reads row k of
+    a panel, 16 outputs' weights, as one vector."""
+    panels: torch.Tensor
+    n: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.panels.shape[1]
+
+    def unpack(self) -> torch.Tensor:
+        return self.panels.transpose(1, 2).reshape(-1, self.panels.shape[1])[:self.n].contiguous()
+
+
+class TorchOps:
+    name = "torch"
+
+    def prepare(self, w: torch.Tensor | Packed) -> torch.Tensor:
+        return w.unpack() if isinstance(w, Packed) else w
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T + bias on oneDNN rather than MKL's sgemm (F.linear): on an AMD EPYC (Zen 4) only its 1-row
+        calls differ from the rest (sgemm's differ up to 11 rows), so decode pads to 2 rows instead of 4, and over
+        every layer's weights it ran 1.1-2x faster than sgemm at each row count from 1 to 512."""
+        if _onednn_linear is None:
+            return F.linear(x, weight, bias)
+        return _onednn_linear(x, weight, bias, "none", [], "")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        # not F.silu: its scalar tail loop rounds differently from its vector loop, and where a thread's range
+        # ends decides which of the two a row gets; torch.exp and the arithmetic give the same bits in both
+        gate, up = gate_up.chunk(2, dim=-1)
+        return gate / (1 + torch.exp(-gate)) * up
+
+
+class KernelOps:
+    def __init__(self, isa: str, index: int):
+        self.name, self.isa = isa, index
+
+    def prepare(self, w: torch.Tensor | Packed) -> Packed:
+        if isinstance(w, Packed):
+            return w
+        n, k = w.shape
+        panels = -(-n // 16)
+        return Packed(F.pad(w, (0, 0, 0, panels * 16 - n)).view(panels, 16, k).transpose(1, 2).contiguous(), n)
+
+    def linear(self, x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.prefixcache.linear(x.contiguous(), weight.panels, bias, weight.n, self.isa)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.ops.prefixcache.rms_norm(x.contiguous(), weight, eps, self.isa)
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.prefixcache.silu_mul(gate_up.contiguous(), self.isa)

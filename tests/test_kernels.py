@@ -1,0 +1,157 @@
+"""Our CPU kernels (prefixcache/kernels) against float64, bit for bit against themselves whatever the rows, threads,
+ISA build, batch, chunking and block placement, and the engine's fallback to the torch path."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import GREEDY, generate_with_logits
+from prefixcache import LLM, kernels
+from prefixcache.models import paged
+from prefixcache.models.attention import Queries
+from prefixcache.models.exactness import _attention64
+from prefixcache.models.rowwise import KernelOps
+
+AVAILABLE = kernels.choose("auto").isa
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"kernels: {kernels.choose('auto').status}")
+BUILDS = [KernelOps(isa, i) for i, isa in enumerate(kernels.ISAS)
+          if AVAILABLE and isa in torch.ops.prefixcache.supported()]
+# every GEMM shape of SmolLM2-135M (qkv, o, gate_up, down, lm_head), and odd ones
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (37, 53), (16, 1), (1, 17), (100, 513)]
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> float:
+    return ((y.double() - ref).abs() / scale).max().item()
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_linear_is_within_fp32_rounding_of_float64(n, k):
+    """An fp32 fma chain over K, then + bias: at most K + 1 roundings of 2^-24, relative to sum |x w| + |b|."""
+    g = torch.Generator().manual_seed(n * k)
+    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(17, k, generator=g)
+    ref = x.double() @ w.double().T + b.double()
+    scale = x.double().abs() @ w.double().abs().T + b.double().abs()
+    for ops in BUILDS:
+        assert _rel_err(ops.linear(x, ops.prepare(w), b), ref, scale) < (k + 1) * 2 ** -24
+
+
+def test_linear_rows_equal_the_one_row_call_for_1_to_64_rows_threads_and_builds():
+    g = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(960, 576, generator=g), torch.randn(960, generator=g), torch.randn(64 + 3, 576, generator=g)
+    ops0 = BUILDS[0]
+    packed = ops0.prepare(w)
+    single = torch.cat([ops0.linear(x[i:i + 1], packed, b) for i in range(len(x))])
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, 2, 3, threads}):
+            torch.set_num_threads(t)
+            for ops in BUILDS:
+                for m in range(1, 65):
+                    for start in (0, 3):
+                        assert torch.equal(ops.linear(x[start:start + m], packed, b), single[start:start + m]), \
+                            (ops.name, t, m, start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rms_norm_and_swiglu_match_float64_and_every_row_count():
+    g = torch.Generator().manual_seed(1)
+    x, w, gu = torch.randn(33, 576, generator=g), torch.randn(576, generator=g), 4 * torch.randn(33, 2 * 1536, generator=g)
+    x64 = x.double()
+    norm64 = w.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    gate, up = gu.double().chunk(2, dim=-1)
+    swiglu64 = F.silu(gate) * up
+    for ops in BUILDS:
+        norm, act = ops.rms_norm(x, w, 1e-5), ops.swiglu(gu)
+        assert _rel_err(norm, norm64, norm64.abs() + 1e-3) < 1e-6
+        assert _rel_err(act, swiglu64, swiglu64.abs() + 1e-3) < 1e-6
+        for m in (1, 2, 17):
+            assert torch.equal(ops.rms_norm(x[3:3 + m], w, 1e-5), norm[3:3 + m])
+            assert torch.equal(ops.swiglu(gu[3:3 + m]), act[3:3 + m])
+        assert torch.equal(norm, BUILDS[0].rms_norm(x, w, 1e-5)) and torch.equal(act, BUILDS[0].swiglu(gu))
+
+
+def _pool(keys: int, kv_heads: int, d: int, g: torch.Generator, bs: int = 16):
+    blocks = -(-keys // bs)
+    k, v = (torch.randn((blocks + 1) * bs, kv_heads, d, generator=g) for _ in range(2))
+    return k, v, (1 + torch.randperm(blocks, generator=g)).tolist()
+
+
+@pytest.mark.parametrize("heads, kv_heads, d, keys", [(9, 3, 64, 513), (4, 2, 16, 40), (32, 8, 128, 1100)])
+def test_paged_attention_matches_float64(heads, kv_heads, d, keys):
+    g = torch.Generator().manual_seed(keys)
+    k, v, table = _pool(keys, kv_heads, d, g)
+    pos = [0, 1, 15, 16, 17, keys // 2, keys - 2, keys - 1]
+    q = torch.randn(len(pos), heads, d, generator=g)
+    p = paged.plan([Queries(0, pos, keys, table)], len(pos), 16)
+    for ops in BUILDS:
+        out = paged.attend(q, k, v, p, ops.isa)
+        for i, n in enumerate(pos):
+            slots = torch.tensor([table[j // 16] * 16 + j % 16 for j in range(n + 1)])
+            ref = _attention64(q[i], k[slots], v[slots])
+            assert ((out[i].double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (ops.name, n)
+
+
+def test_paged_attention_rows_do_not_depend_on_batch_chunking_placement_or_build():
+    """40 prompt tokens of one sequence and the decode tokens of 3 sequences sharing its blocks: each row's bits
+    equal its own call's, with the blocks moved, in chunks, in any build."""
+    g = torch.Generator().manual_seed(7)
+    heads, kvh, d, keys = 9, 3, 64, 700
+    k, v, table = _pool(keys, kvh, d, g)
+    pos = list(range(keys - 40, keys))
+    q = torch.randn(43, heads, d, generator=g)
+    groups = [Queries(0, pos, keys, table)] + [Queries(40 + i, [keys - 1 - i], keys - i, table) for i in range(3)]
+    ref = paged.attend(q, k, v, paged.plan(groups, 43, 16), BUILDS[0].isa)
+    alone = torch.cat([paged.attend(q[i:i + 1], k, v, paged.plan([Queries(0, [p], p + 1, table)], 1, 16),
+                                    BUILDS[0].isa) for i, p in enumerate(pos + [keys - 1, keys - 2, keys - 3])])
+    assert torch.equal(ref, alone)
+    moved = (1 + torch.randperm(len(table), generator=g)).tolist()
+    k2, v2 = k.clone(), v.clone()
+    for a, b in zip(table, moved):
+        k2[b * 16:(b + 1) * 16], v2[b * 16:(b + 1) * 16] = k[a * 16:(a + 1) * 16], v[a * 16:(a + 1) * 16]
+    chunks = [Queries(0, pos[:7], keys - 33, moved), Queries(7, pos[7:], keys, moved)]
+    out = paged.attend(q[:40], k2, v2, paged.plan(chunks, 40, 16), BUILDS[-1].isa)
+    assert torch.equal(out, ref[:40])
+
+
+def test_the_engine_confirms_the_kernels_and_runs_unpadded(tiny_model):
+    llm = LLM(model=tiny_model, enable_prefix_cache=False)
+    plan = llm.exactness
+    assert plan.mode == "kernel" and plan.kernels.startswith(AVAILABLE) and all(not c.differ for c in plan.ops)
+    assert plan.call_rows(1) == 1 and plan.padded_rows(3) == 3
+    assert llm.engine.runner.model.paged
+
+
+def test_warm_chunked_batched_equal_cold_on_both_paths(tiny_model):
+    """The same greedy logits with the kernels and with the torch path forced (each against its own cold run)."""
+    prompts = [list(range(4000, 4300)), list(range(4000, 4200)) + [5, 6], [7, 8, 9]]
+    for kernels_choice in ("auto", "off"):
+        cold = LLM(model=tiny_model, enable_prefix_cache=False, kernels=kernels_choice)
+        warm = LLM(model=tiny_model, max_batch_tokens=96, kernels=kernels_choice)
+        assert warm.engine.runner.model.paged == (kernels_choice == "auto")
+        warm.generate(prompts[:1], GREEDY)
+        singles = [generate_with_logits(cold, [p], GREEDY)[1][0] for p in prompts]
+        outs, together = generate_with_logits(warm, prompts, GREEDY)
+        assert outs[1].cached_tokens == 200 and all(torch.equal(a, b) for a, b in zip(singles, together))
+
+
+def test_a_stale_or_missing_build_falls_back_and_says_so(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "BUILD", str(tmp_path))
+    assert kernels._try_load() == "not built (make setup builds it)"
+    (tmp_path / "sources.sha256").write_text("0" * 64)
+    assert kernels._try_load() == "built from other sources (make setup rebuilds it)"
+
+
+def test_a_kernel_that_fails_the_startup_check_falls_back_to_torch(tiny_model, monkeypatch, caplog, tmp_path):
+    """A kernel giving other bits for one row count: the probe drops the kernels, and the torch path is probed."""
+    monkeypatch.setenv("PREFIXCACHE_HOME", str(tmp_path))  # not the cached confirmation of the real kernels
+    real = KernelOps.linear
+
+    def linear(self, x, weight, bias=None):
+        y = real(self, x, weight, bias)
+        return y + 1e-3 if x.shape[0] == 5 else y
+    monkeypatch.setattr(KernelOps, "linear", linear)
+    llm = LLM(model=tiny_model, enable_prefix_cache=False)
+    plan = llm.exactness
+    assert plan.mode == "pad" and plan.kernels.startswith("off: failed the startup check (qkv differs at [5] rows")
+    assert not llm.engine.runner.model.paged and "running the torch path" in caplog.text
+    assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
