@@ -20,10 +20,11 @@ struct AttnArgs {
 
 constexpr int KEY_BLOCK = 16;    // keys per step of a row's online softmax, aligned to absolute positions
 constexpr int ITEM_TOKENS = 16;  // most tokens in one attention item
+constexpr int MAX_ROWS = 8;      // most attention rows a build interleaves on one key block
 
 // scratch floats one attention unit needs
 inline int64_t attn_scratch(const AttnArgs& a) {
-  return ITEM_TOKENS * (a.heads / a.kv_heads) * (a.d + 2) + a.d * KEY_BLOCK + KEY_BLOCK;
+  return ITEM_TOKENS * (a.heads / a.kv_heads) * (a.d + 2) + a.d * KEY_BLOCK + MAX_ROWS * KEY_BLOCK;
 }
 
 #define PC_DECLARE(ns)                                                                                         \
