@@ -198,7 +198,9 @@ def test_models_and_health(srv):
     assert [m.id for m in client(srv).models.list()] == [srv.server.model_name]
     health = httpx.get(f"{srv.url}/health", headers={"Authorization": "Bearer sk-admin"}).json()
     assert health["status"] == "ok" and health["exactness"] == srv.server.engine.exactness.summary()
-    assert health["exactness"]["mode"] in ("pad", "fixed", "rows")
+    assert health["exactness"]["mode"] in ("kernel", "pad", "fixed", "rows")
+    assert health["exactness"]["kernels"]  # which kernel build runs, or why none does
+    assert (health["exactness"]["mode"] == "kernel") != health["exactness"]["kernels"].startswith("off")
 
 
 def test_one_json_log_line_per_request(srv, caplog):
