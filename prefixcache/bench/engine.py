@@ -87,17 +87,11 @@ def _greedy_agreement(llm, prompts: int = 6, tokens: int = 32) -> dict:
 
 
 def _read_gb_s() -> float:
-    """The read bandwidth of this process: a sum over 1 GiB of fp32, the best of 3 (GB/s)."""
+    """The read bandwidth of this process: a sum over 1 GiB of fp32, the median of 3 (GB/s)."""
     import torch
 
     x = torch.ones(1 << 28)
-    return x.numel() * 4 / 1e9 / min(_timed(x.sum) for _ in range(3))
-
-
-def _timed(f) -> float:
-    t = time.perf_counter()
-    f()
-    return time.perf_counter() - t
+    return x.numel() * 4 / 1e9 / _median(x.sum)
 
 
 def _step_bytes(llm, b: int, ctx: int) -> int:

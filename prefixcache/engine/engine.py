@@ -27,9 +27,9 @@ from prefixcache.engine.sequence import Fault, RequestOutput, SamplingParams, Se
 from prefixcache.engine.speculation import Speculation
 from prefixcache.engine.tiering import open_tiers
 from prefixcache.models.exactness import probe
-from prefixcache.models.rowwise import KernelOps, TorchOps
 from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
+from prefixcache.models.rowwise import KernelOps, TorchOps
 
 TTFT_WINDOW = 1024  # recent requests whose time to first token stats() summarizes
 
@@ -378,4 +378,4 @@ def _ops(config: Config, head_dim: int) -> tuple[KernelOps | TorchOps, str]:
     if config.kernels == "off" or unfit:
         return TorchOps(), f"off: {'; '.join(unfit) or 'kernels=off'}"
     choice = kernels.choose(config.kernels)
-    return (KernelOps(choice.isa, choice.index) if choice.isa else TorchOps()), choice.status
+    return (KernelOps(choice.isa) if choice.isa else TorchOps()), choice.status

@@ -29,10 +29,6 @@ class Choice:
     isa: str  # "" for the torch path
     status: str  # what runs, and why
 
-    @property
-    def index(self) -> int:
-        return ISAS.index(self.isa)
-
 
 def source_hash() -> str:
     h = hashlib.sha256()
@@ -43,11 +39,9 @@ def source_hash() -> str:
 
 
 def choose(want: str = "auto") -> Choice:
-    """The build to run for `want` (one of CHOICES) on this CPU. Logs a warning when the torch path must run
+    """The build to run for `want` ("auto" or one of ISAS) on this CPU. Logs a warning when the torch path must run
     though kernels were asked for."""
-    assert want in CHOICES, want
-    if want == "off":
-        return Choice("", "off (kernels='off')")
+    assert want in ("auto", *ISAS), want
     problem = _load()
     if not problem:
         supported = torch.ops.prefixcache.supported()

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from prefixcache.kernels import ISAS
+
 _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # in every x86-64 build of torch
 
 
@@ -53,8 +55,8 @@ class TorchOps:
 
 
 class KernelOps:
-    def __init__(self, isa: str, index: int):
-        self.name, self.isa = isa, index
+    def __init__(self, isa: str):
+        self.name, self.isa = isa, ISAS.index(isa)  # the ops take the build as an index into ISAS
 
     def prepare(self, w: torch.Tensor | Packed) -> Packed:
         if isinstance(w, Packed):

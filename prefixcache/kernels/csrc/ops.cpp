@@ -109,7 +109,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   items.is_contiguous() && tables.dim() == 2, "attend: index layout");
   TORCH_CHECK(block_size % KEY_BLOCK == 0, "attend: block_size must be a multiple of ", KEY_BLOCK);
   const Isa& kern = pick(isa);
-  at::Tensor out = at::zeros_like(q);
+  at::Tensor out = at::empty_like(q);  // every row of every token is written: the plan puts each token in one item
   AttnArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
              pos.data_ptr<int64_t>(), tables.data_ptr<int32_t>(), row_seq.data_ptr<int32_t>(),
              order.data_ptr<int32_t>(), items.data_ptr<int32_t>(), q.size(1), k.size(1), q.size(2),
