@@ -8,7 +8,7 @@ from conftest import GREEDY, generate_with_logits
 from prefixcache import LLM, kernels
 from prefixcache.models import paged
 from prefixcache.models.attention import Queries
-from prefixcache.models.exactness import _attention64
+from prefixcache.models.kernel_check import attention64
 from prefixcache.models.rowwise import KernelOps
 
 AVAILABLE = kernels.choose("auto").isa
@@ -87,7 +87,7 @@ def test_paged_attention_matches_float64(heads, kv_heads, d, keys):
         out = paged.attend(q, k, v, p, ops.isa)
         for i, n in enumerate(pos):
             slots = torch.tensor([table[j // 16] * 16 + j % 16 for j in range(n + 1)])
-            ref = _attention64(q[i], k[slots], v[slots])
+            ref = attention64(q[i], k[slots], v[slots])
             assert ((out[i].double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (ops.name, n)
 
 
