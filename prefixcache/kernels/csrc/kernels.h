@@ -18,7 +18,7 @@ struct AttnArgs {
   float scale;
 };
 
-constexpr int KEY_BLOCK = 16;    // keys per step of a row's online softmax, aligned to absolute positions
+constexpr int KEY_BLOCK = 64;    // keys per step of a row's online softmax, aligned to absolute positions
 constexpr int ITEM_TOKENS = 16;  // most tokens in one attention item
 constexpr int MAX_ROWS = 8;      // most attention rows a build interleaves on one key block
 

@@ -107,7 +107,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   order.scalar_type() == at::kInt && items.scalar_type() == at::kInt, "attend: index dtypes");
   TORCH_CHECK(pos.is_contiguous() && tables.is_contiguous() && row_seq.is_contiguous() && order.is_contiguous() &&
                   items.is_contiguous() && tables.dim() == 2, "attend: index layout");
-  TORCH_CHECK(block_size % KEY_BLOCK == 0, "attend: block_size must be a multiple of ", KEY_BLOCK);
+  TORCH_CHECK(block_size % 16 == 0, "attend: block_size must be a multiple of 16");
   const Isa& kern = pick(isa);
   at::Tensor out = at::empty_like(q);  // every row of every token is written: the plan puts each token in one item
   AttnArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
