@@ -352,3 +352,11 @@ def test_purge_while_the_tenant_runs_keeps_its_output_and_the_shared_prefix(tiny
     other = llm.generate([shared + BASE[300:340]], params, scope=CacheScope(tenant="globex"))[0]
     assert other.cached_tokens == len(shared) and other.scope_kind == "shared"
     assert llm.generate([prompt], params, scope=CacheScope(tenant="acme"))[0].cached_tokens == len(prompt) - 1
+
+
+def test_fingerprint_covers_the_arithmetic(tiny_model):
+    """KV computed on the torch path is not reused on our kernels, nor the other way (a shared tier holds both)."""
+    on, off = LLM(model=tiny_model, kernels="auto"), LLM(model=tiny_model, kernels="off")
+    assert on.exactness.kernels and not on.exactness.kernels.startswith("off"), on.exactness.kernels
+    assert on.engine.fingerprint != off.engine.fingerprint
+    assert LLM(model=tiny_model, kernels="off").engine.fingerprint == off.engine.fingerprint

@@ -11,7 +11,7 @@ SHARED_TENANT = "*shared*"
 class CacheScope:
     tenant: str = "local"
     labels: tuple[str, ...] = ()  # permission set, security tier, ...
-    fingerprint: str = ""  # the weights' fingerprint; the engine fills it in
+    fingerprint: str = ""  # the weights and the arithmetic that runs them (Engine.fingerprint); the engine fills it in
     adapter: str = ""
     tool_config: str = ""  # hash of the tool definitions
     policy: str = ""  # policy or template version

@@ -10,6 +10,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Callable
 
 import torch
+import xxhash
 
 from prefixcache import kernels
 from prefixcache.cache.policy import Breakpoint
@@ -54,7 +55,6 @@ class Engine:
         self.tokenizer = weights.tokenizer
         self.model_config = weights.config
         self.model_name = weights.name
-        self.fingerprint = weights.fingerprint
         self.max_model_len = min(config.max_model_len or weights.config.max_position, weights.config.max_position)
         c = weights.config
         self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, config.kv_cache_bytes,
@@ -70,6 +70,10 @@ class Engine:
         model = Llama(weights, config.attn_tile, ops)
         self.exactness = model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs,
                                              status)
+        # cached KV is reused only by the same weights under the same arithmetic (a disk or Redis tier may hold KV
+        # of other replicas: on the torch path, or on kernels built from other sources, its bits are not ours)
+        arithmetic = model.ops.arithmetic(self.exactness.cpu)
+        self.fingerprint = xxhash.xxh3_128_hexdigest(f"{weights.fingerprint} {arithmetic}".encode())
         self.runner = ModelRunner(model, self.pool, config.max_num_seqs)
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
@@ -241,7 +245,7 @@ class Engine:
         seq.forks = []
 
     def scope(self, scope: CacheScope | None = None) -> CacheScope:
-        """The request scope with this engine's weights fingerprint filled in."""
+        """The request scope with this engine's fingerprint (weights and arithmetic) filled in."""
         return dataclasses.replace(scope or CacheScope(), fingerprint=self.fingerprint)
 
     def purge(self, scope: CacheScope) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from prefixcache.kernels import ISAS
+from prefixcache.kernels import ISAS, source_hash
 
 _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # in every x86-64 build of torch
 
@@ -32,6 +32,10 @@ class Packed:
 
 class TorchOps:
     name = "torch"
+
+    def arithmetic(self, cpu: str) -> str:
+        """What decides the bits of this path's results: torch's build and the CPU its kernels dispatch on."""
+        return f"torch {torch.__version__} on {cpu}"
 
     def prepare(self, w: torch.Tensor | Packed) -> torch.Tensor:
         return w.unpack() if isinstance(w, Packed) else w
@@ -57,6 +61,10 @@ class TorchOps:
 class KernelOps:
     def __init__(self, isa: str):
         self.name, self.isa = isa, ISAS.index(isa)  # the ops take the build as an index into ISAS
+
+    def arithmetic(self, cpu: str) -> str:
+        """The kernels' sources alone: every build on every CPU gives the same bits."""
+        return f"prefixcache kernels {source_hash()}"
 
     def prepare(self, w: torch.Tensor | Packed) -> Packed:
         if isinstance(w, Packed):
