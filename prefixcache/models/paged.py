@@ -1,6 +1,6 @@
 """Paged attention on our kernel: every query token of a step in one call per layer, over the block table.
 
-A (token, head) row runs its own online softmax over key blocks 0, 1, ... of 16 keys (aligned to absolute
+A (token, head) row runs its own online softmax over key blocks 0, 1, ... of 64 keys (aligned to absolute
 positions), each found through its sequence's block table where it lies: no gather, no padding, no tiles. Its bits
 depend on its query and its keys only, whatever the batch, the chunking or the blocks' places in the pool.
 Items group tokens that read the same blocks (one sequence's tokens; decode tokens of sequences whose first block

@@ -20,7 +20,7 @@ struct AttnArgs {
 
 constexpr int KEY_BLOCK = 64;    // keys per step of a row's online softmax, aligned to absolute positions
 constexpr int ITEM_TOKENS = 16;  // most tokens in one attention item
-constexpr int MAX_ROWS = 8;      // most attention rows a build interleaves on one key block
+constexpr int MAX_ROWS = 6;      // most attention rows a build computes in one register tile
 
 // scratch floats one attention unit needs
 inline int64_t attn_scratch(const AttnArgs& a) {
