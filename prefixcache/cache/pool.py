@@ -63,11 +63,13 @@ class KVPool:
             self.is_free[block] = True
             self.num_free += 1
 
-    def copy(self, src: int, dst: int, n_tokens: int) -> None:
-        """Copy-on-write: the first n_tokens of block src into block dst, in every layer."""
+    def copy(self, src: int, dst: int) -> None:
+        """Copy-on-write: block src into block dst, in every layer. The whole block, as the kernels lay keys out
+        in 16 slots at a time (models/paged.py); the slots past the tokens that count are written before they
+        are read."""
         bs = self.block_size
         for cache in (self.k, self.v):
-            cache[:, dst * bs: dst * bs + n_tokens] = cache[:, src * bs: src * bs + n_tokens]
+            cache[:, dst * bs: (dst + 1) * bs] = cache[:, src * bs: (src + 1) * bs]
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

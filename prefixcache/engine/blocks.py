@@ -90,7 +90,7 @@ class BlockManager:
         fresh = self.pool.allocate(needed, m.nodes[-1].block if m.nodes else None)
         self.cache.touch(used)
         if m.partial:
-            self.pool.copy(m.partial.block, fresh[0], m.partial_len)
+            self.pool.copy(m.partial.block, fresh[0])
             self.pool.unref(m.partial.block)  # the copy is ours; the source was only held for the copy
         seq.block_table = [n.block for n in m.nodes] + fresh
         seq.num_computed = len(m)
@@ -110,7 +110,7 @@ class BlockManager:
         for b in child.block_table[:n_full]:
             self.pool.ref(b)
         if part:
-            self.pool.copy(parent.block_table[n_full], child.block_table[n_full], part)
+            self.pool.copy(parent.block_table[n_full], child.block_table[n_full])
         child.num_computed = parent.num_computed
         p = parent.cache
         child.cache = dataclasses.replace(p, keys=list(p.keys), nodes=list(p.nodes), partials_done=set(p.partials_done),
@@ -253,7 +253,7 @@ class BlockManager:
             if not self.reserve(1):
                 return
             block = self.pool.allocate(1)[0]
-            self.pool.copy(seq.block_table[j], block, len(tokens))
+            self.pool.copy(seq.block_table[j], block)
             node, created = self.cache.insert(parent, key, scope.key, tokens, block, ttl, seq.priority, scope.owner)
             self.pool.unref(block)  # the cache now holds the only reference
             if created:

@@ -36,7 +36,9 @@ def _paged(model, gen: torch.Generator) -> list[str]:
     for a, b in zip(table, moved):
         k2[b * bs:(b + 1) * bs], v2[b * bs:(b + 1) * bs] = k[a * bs:(a + 1) * bs], v[a * bs:(a + 1) * bs]
 
-    def run(queries, rows, kp=k, vp=v):
+    def run(queries, rows, keys=k, values=v):
+        kp, vp = torch.zeros_like(keys), torch.zeros_like(values)
+        paged.store(kp, vp, keys, values, torch.arange(len(keys)))
         return paged.attend(rows, kp, vp, paged.plan(queries, len(rows), bs), model.ops.isa)
     whole = run([Queries(0, pos, keys, table)], q)
     ways = {"one-token queries": run([Queries(i, [p], keys, table) for i, p in enumerate(pos)], q),

@@ -94,11 +94,12 @@ class Llama:
             k = qkv[:, nq:nq + nkv].view(-1, c.num_kv_heads, c.head_dim)
             v = qkv[:, nq + nkv:].view(-1, c.num_kv_heads, c.head_dim)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            pool.k[i].index_copy_(0, batch.slots, k[:n].to(pool.k.dtype))
-            pool.v[i].index_copy_(0, batch.slots, v[:n].to(pool.v.dtype))
             if self.paged:
+                paged.store(pool.k[i], pool.v[i], k[:n], v[:n], batch.slots)
                 o = paged.attend(q, pool.k[i], pool.v[i], plan, self.ops.isa)
             else:
+                pool.k[i].index_copy_(0, batch.slots, k[:n].to(pool.k.dtype))
+                pool.v[i].index_copy_(0, batch.slots, v[:n].to(pool.v.dtype))
                 o = attention.attend(q, pool.k[i], pool.v[i], plan, *results)
             x = x + self._rows(self.ops.linear, o.view(-1, nq), L["o"])
             x = x + self._rows(self._mlp, x, L["ln2"], eps, L["gate_up"], L["down"])

@@ -52,7 +52,16 @@ def plan(groups: list[Queries], num_tokens: int, block_size: int) -> PagedPlan:
                      torch.tensor(items, dtype=torch.int32), block_size)
 
 
+def store(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write tokens' keys and values [n, kv heads, d] at their slots of one layer's pool [slots, kv heads, d]:
+    values as they are, keys as the kernel reads them, each 16 slots' as [kv heads, d, 16] (a row's scores over
+    16 keys are then one vector per dimension, with no transpose)."""
+    v_pool.index_copy_(0, slots, v)
+    s, h, d = k_pool.shape
+    k_pool.view(s // 16, h, d, 16)[slots // 16, :, :, slots % 16] = k
+
+
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: PagedPlan, isa: int) -> torch.Tensor:
-    """q [tokens, heads, d] over one layer's pool k, v [slots, kv heads, d] -> [tokens, heads, d]."""
+    """q [tokens, heads, d] over one layer's pool k, v (written by `store`) -> [tokens, heads, d]."""
     return torch.ops.prefixcache.attend(q.contiguous(), k_pool, v_pool, p.pos, p.tables, p.row_seq, p.order, p.items,
                                         p.block_size, q.shape[-1] ** -0.5, isa)

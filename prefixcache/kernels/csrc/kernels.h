@@ -6,8 +6,8 @@
 
 struct AttnArgs {
   const float* q;          // [tokens, heads, d]
-  const float* k;          // [slots, kv_heads, d], one layer of the pool
-  const float* v;
+  const float* k;          // [slots / 16, kv_heads, d, 16], one layer of the pool (models/paged.py store)
+  const float* v;          // [slots, kv_heads, d]
   float* out;              // [tokens, heads, d]
   const int64_t* pos;      // [tokens] a token attends keys 0..pos of its sequence
   const int32_t* tables;   // [seqs, max_blocks] pool block of each block of keys
@@ -24,7 +24,7 @@ constexpr int MAX_ROWS = 6;      // most attention rows a build computes in one 
 
 // scratch floats one attention unit needs
 inline int64_t attn_scratch(const AttnArgs& a) {
-  return ITEM_TOKENS * (a.heads / a.kv_heads) * (a.d + 2) + a.d * KEY_BLOCK + MAX_ROWS * KEY_BLOCK;
+  return ITEM_TOKENS * (a.heads / a.kv_heads) * (a.d + 2) + MAX_ROWS * KEY_BLOCK;
 }
 
 #define PC_DECLARE(ns)                                                                                         \

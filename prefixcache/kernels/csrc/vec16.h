@@ -122,24 +122,4 @@ inline V16 vexp(V16 x) {
   return x.lt_select(lo, V16::zero(), p * n.pow2i());
 }
 
-// dst[c * dst_stride + j] = src[j * src_stride + c] for j, c < 8: data movement only, the same in both builds
-inline void transpose8x8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
-  __m256 r[8], t[8], u[8];
-  for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(src + j * src_stride);
-  for (int j = 0; j < 8; j += 2) {
-    t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
-    t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
-  }
-  for (int j = 0; j < 8; j += 4) {
-    u[j] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int c = 0; c < 4; c++) {
-    _mm256_storeu_ps(dst + c * dst_stride, _mm256_permute2f128_ps(u[c], u[c + 4], 0x20));
-    _mm256_storeu_ps(dst + (c + 4) * dst_stride, _mm256_permute2f128_ps(u[c], u[c + 4], 0x31));
-  }
-}
-
 }  // namespace PC_NS
