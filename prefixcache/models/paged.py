@@ -53,12 +53,12 @@ def plan(groups: list[Queries], num_tokens: int, block_size: int) -> PagedPlan:
 
 
 def store(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write tokens' keys and values [n, kv heads, d] at their slots of one layer's pool [slots, kv heads, d]:
-    values as they are, keys as the kernel reads them, each 16 slots' as [kv heads, d, 16] (a row's scores over
-    16 keys are then one vector per dimension, with no transpose)."""
-    v_pool.index_copy_(0, slots, v)
+    """Write tokens' keys and values [n, kv heads, d] at their slots of one layer's pool [slots, kv heads, d], as
+    the kernel reads them: each 16 slots' keys as [kv heads, d, 16] (a row's scores over 16 keys are then one
+    vector per dimension, with no transpose) and values as [kv heads, 16, d] (a head's in one run of memory)."""
     s, h, d = k_pool.shape
     k_pool.view(s // 16, h, d, 16)[slots // 16, :, :, slots % 16] = k
+    v_pool.view(s // 16, h, 16, d)[slots // 16, :, slots % 16] = v
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: PagedPlan, isa: int) -> torch.Tensor:

@@ -7,7 +7,7 @@
 struct AttnArgs {
   const float* q;          // [tokens, heads, d]
   const float* k;          // [slots / 16, kv_heads, d, 16], one layer of the pool (models/paged.py store)
-  const float* v;          // [slots, kv_heads, d]
+  const float* v;          // [slots / 16, kv_heads, 16, d]
   float* out;              // [tokens, heads, d]
   const int64_t* pos;      // [tokens] a token attends keys 0..pos of its sequence
   const int32_t* tables;   // [seqs, max_blocks] pool block of each block of keys
