@@ -9,6 +9,7 @@ from prefixcache import LLM, kernels
 from prefixcache.models import paged
 from prefixcache.models.attention import Queries
 from prefixcache.models.kernel_check import attention64
+from prefixcache.models.llama import _rope
 from prefixcache.models.rowwise import KernelOps
 
 AVAILABLE = kernels.choose("auto").isa
@@ -96,6 +97,25 @@ def test_paged_attention_matches_float64(heads, kv_heads, d, keys):
             slots = torch.tensor([table[j // 16] * 16 + j % 16 for j in range(n + 1)])
             ref = attention64(q[i], k[slots], v[slots])
             assert ((out[i].double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (ops.name, n)
+
+
+@pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (4, 2, 16), (32, 8, 128)])
+def test_rope_store_is_rope_then_store(heads, kv_heads, d):
+    """The fused op, in every build: the queries RoPE gives, and the pool paged.store writes, bit for bit; rows
+    past the slots (padding) are roped but not stored."""
+    g = torch.Generator().manual_seed(d)
+    rows, slots_in_pool = 37, 64 * 16
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g)
+    cos, sin = torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g)
+    slots = torch.randperm(slots_in_pool, generator=g)[:rows - 2]
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    q, k, v = q.reshape(rows, heads, d), k.reshape(rows, kv_heads, d), v.reshape(rows, kv_heads, d)
+    k_ref, v_ref = torch.zeros(slots_in_pool, kv_heads, d), torch.zeros(slots_in_pool, kv_heads, d)
+    paged.store(k_ref, v_ref, _rope(k, cos, sin)[:rows - 2], v[:rows - 2], slots)
+    for ops in BUILDS:
+        kp, vp = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
+        out = paged.rope_store(qkv, cos, sin, kp, vp, slots, heads, kv_heads, ops.isa)
+        assert torch.equal(out, _rope(q, cos, sin)) and torch.equal(kp, k_ref) and torch.equal(vp, v_ref), ops.name
 
 
 def test_paged_attention_rows_do_not_depend_on_batch_chunking_placement_or_build():

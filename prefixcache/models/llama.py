@@ -90,14 +90,15 @@ class Llama:
                 with torch.inference_mode(False):  # as outside any forward: it may create requests' own tensors
                     between()
             qkv = self._rows(self._norm_linear, x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
-            q = qkv[:, :nq].view(-1, c.num_heads, c.head_dim)
-            k = qkv[:, nq:nq + nkv].view(-1, c.num_kv_heads, c.head_dim)
-            v = qkv[:, nq + nkv:].view(-1, c.num_kv_heads, c.head_dim)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             if self.paged:
-                paged.store(pool.k[i], pool.v[i], k[:n], v[:n], batch.slots)
+                q = paged.rope_store(qkv, cos, sin, pool.k[i], pool.v[i], batch.slots, c.num_heads, c.num_kv_heads,
+                                     self.ops.isa)
                 o = paged.attend(q, pool.k[i], pool.v[i], plan, self.ops.isa)
             else:
+                q = qkv[:, :nq].view(-1, c.num_heads, c.head_dim)
+                k = qkv[:, nq:nq + nkv].view(-1, c.num_kv_heads, c.head_dim)
+                v = qkv[:, nq + nkv:].view(-1, c.num_kv_heads, c.head_dim)
+                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
                 pool.k[i].index_copy_(0, batch.slots, k[:n].to(pool.k.dtype))
                 pool.v[i].index_copy_(0, batch.slots, v[:n].to(pool.v.dtype))
                 o = attention.attend(q, pool.k[i], pool.v[i], plan, *results)

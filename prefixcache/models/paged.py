@@ -61,6 +61,15 @@ def store(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.
     v_pool.view(s // 16, h, 16, d)[slots // 16, :, slots % 16] = v
 
 
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               slots: torch.Tensor, heads: int, kv_heads: int, isa: int) -> torch.Tensor:
+    """qkv [rows, (heads + 2 kv heads) * d] -> the queries after RoPE [rows, heads, d], with the keys (after RoPE)
+    and values of the first len(slots) rows stored as `store` lays them out: one op for what RoPE and `store` do,
+    bit for bit (each product rounded, then the sum, as torch computes x * cos + rotate_half(x) * sin)."""
+    return torch.ops.prefixcache.rope_store(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_pool, v_pool,
+                                            slots, heads, kv_heads, isa)
+
+
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: PagedPlan, isa: int) -> torch.Tensor:
     """q [tokens, heads, d] over one layer's pool k, v (written by `store`) -> [tokens, heads, d]."""
     return torch.ops.prefixcache.attend(q.contiguous(), k_pool, v_pool, p.pos, p.tables, p.row_seq, p.order, p.items,

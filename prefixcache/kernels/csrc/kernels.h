@@ -18,6 +18,17 @@ struct AttnArgs {
   float scale;
 };
 
+struct RopeArgs {
+  const float* qkv;        // [rows, (heads + 2 kv_heads) * d]
+  const float* cos;        // [rows, d]
+  const float* sin;
+  float* q;                // [rows, heads, d]
+  float* k;                // one layer of the pool, as AttnArgs
+  float* v;
+  const int64_t* slots;    // [stored] the pool slot of each of the first `stored` rows
+  int64_t stored, heads, kv_heads, d;
+};
+
 constexpr int KEY_BLOCK = 64;    // keys per step of a row's online softmax, aligned to absolute positions
 constexpr int ITEM_TOKENS = 16;  // most tokens in one attention item
 constexpr int MAX_ROWS = 6;      // most attention rows a build computes in one register tile
@@ -34,6 +45,7 @@ inline int64_t attn_scratch(const AttnArgs& a) {
   void rms_norm(const float* x, const float* w, float* y, int64_t k, float eps, int64_t r0, int64_t r1);       \
   void silu_mul(const float* gate_up, float* y, int64_t i, int64_t r0, int64_t r1);                            \
   void attend(const AttnArgs& a, float* scratch, int64_t u0, int64_t u1);                                      \
+  void rope_store(const RopeArgs& a, float* scratch, int64_t r0, int64_t r1);                                  \
   }
 PC_DECLARE(avx512)
 PC_DECLARE(avx2)

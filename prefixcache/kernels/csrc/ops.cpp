@@ -13,13 +13,14 @@ namespace {
 
 struct Isa {
   const char* name;
+  decltype(&avx2::rope_store) rope_store;
   decltype(&avx2::linear) linear;
   decltype(&avx2::rms_norm) rms_norm;
   decltype(&avx2::silu_mul) silu_mul;
   decltype(&avx2::attend) attend;
 };
-const Isa AVX512{"avx512", avx512::linear, avx512::rms_norm, avx512::silu_mul, avx512::attend};
-const Isa AVX2{"avx2", avx2::linear, avx2::rms_norm, avx2::silu_mul, avx2::attend};
+const Isa AVX512{"avx512", avx512::rope_store, avx512::linear, avx512::rms_norm, avx512::silu_mul, avx512::attend};
+const Isa AVX2{"avx2", avx2::rope_store, avx2::linear, avx2::rms_norm, avx2::silu_mul, avx2::attend};
 bool supports(const char* name) {
   __builtin_cpu_init();
   if (std::string(name) == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
@@ -92,6 +93,37 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) {
   return y;
 }
 
+// qkv [rows, (heads + 2 kv_heads) * d] -> its queries after RoPE [rows, heads, d]; the keys (after RoPE) and values
+// of the first slots.numel() rows written at those slots of one layer's pool k, v [slots, kv heads, d], in the
+// layout attend reads (models/paged.py store)
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pool,
+                      at::Tensor v_pool, const at::Tensor& slots, int64_t heads, int64_t kv_heads, int64_t isa) {
+  check_f32(qkv, "qkv");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  check_f32(k_pool, "k_pool");
+  check_f32(v_pool, "v_pool");
+  const int64_t rows = qkv.size(0), d = k_pool.size(2);
+  TORCH_CHECK(qkv.dim() == 2 && k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() && k_pool.size(1) == kv_heads &&
+                  qkv.size(1) == (heads + 2 * kv_heads) * d && d % 16 == 0 && k_pool.size(0) % 16 == 0 &&
+                  cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == d,
+              "rope_store: shapes do not match");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() <= rows,
+              "rope_store: slots must be int64, one per stored row");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); i++)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < k_pool.size(0), "rope_store: slot out of the pool");
+  const Isa& kern = pick(isa);
+  at::Tensor q = at::empty({rows, heads, d}, qkv.options());
+  RopeArgs a{qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(),
+             k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), sp, slots.numel(), heads, kv_heads, d};
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> key(d);
+    kern.rope_store(a, key.data(), r0, r1);
+  });
+  return q;
+}
+
 // Paged causal attention for every token of the step in one call: q [tokens, heads, d] over a layer's pool
 // k, v [slots, kv heads, d]; token t attends keys 0..pos[t] of sequence row_seq[t], found through tables.
 // Items (offsets into order) group tokens that read the same blocks; they change loads, never a token's bits.
@@ -132,6 +164,8 @@ TORCH_LIBRARY(prefixcache, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, int isa) -> Tensor", &linear);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor", &rms_norm);
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor", &silu_mul);
+  m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
+        "int heads, int kv_heads, int isa) -> Tensor", &rope_store);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor tables, Tensor row_seq, Tensor order, "
         "Tensor items, int block_size, float scale, int isa) -> Tensor", &attend);
 }
