@@ -257,8 +257,8 @@ def report(sides: dict[str, dict], hf: dict, cpu: str) -> str:
              f"{ours['exactness']['kernels'] or 'the torch path'}. Decode steps at context {DECODE_CTX}, followed by "
              "their ratio to the byte floor: the bytes a step must read (every layer's weights, the LM head, the "
              "keys and values it attends to) over the read bandwidth measured in the same process just before "
-             "and after those steps (the higher). Prefill, by its ratio to the GEMM floor: the model's weight GEMMs alone, unpadded, in chunks of 512 rows, on that "
-             "side's own GEMM. Torch path: our kernels off. Padding off: the torch path's probed plan without its "
+             "and after those steps (the higher). Prefill, by its ratio to the GEMM floor: the model's weight GEMMs "
+             "alone, unpadded, in chunks of 512 rows, on that side's own GEMM. Torch path: our kernels off. Padding off: the torch path's probed plan without its "
              "padding (not exact; what exactness costs there; on our kernels nothing is padded). Fixed fallback: "
              "the torch path's guaranteed plan, forced.", "",
              "| figure | " + " | ".join(sides) + " | HF transformers fp32 | HF / prefixcache |",
