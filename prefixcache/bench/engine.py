@@ -258,9 +258,10 @@ def report(sides: dict[str, dict], hf: dict, cpu: str) -> str:
              "their ratio to the byte floor: the bytes a step must read (every layer's weights, the LM head, the "
              "keys and values it attends to) over the read bandwidth measured in the same process just before "
              "and after those steps (the higher). Prefill, by its ratio to the GEMM floor: the model's weight GEMMs "
-             "alone, unpadded, in chunks of 512 rows, on that side's own GEMM. Torch path: our kernels off. Padding off: the torch path's probed plan without its "
-             "padding (not exact; what exactness costs there; on our kernels nothing is padded). Fixed fallback: "
-             "the torch path's guaranteed plan, forced.", "",
+             "alone, unpadded, in chunks of 512 rows, on that side's own GEMM. Torch path: our kernels off. "
+             "Padding off: the torch path's probed plan without its padding (not exact; what exactness costs "
+             "there; on our kernels nothing is padded). Fixed fallback: the torch path's guaranteed plan, forced.",
+             "",
              "| figure | " + " | ".join(sides) + " | HF transformers fp32 | HF / prefixcache |",
              "|---|" + "---|" * (len(sides) + 2)]
     for label, key, floor in [("prefill 1k (s)", "prefill_1024_s", "prefill_1024_floor_s"),
