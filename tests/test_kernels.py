@@ -77,13 +77,6 @@ def _pool(keys: int, kv_heads: int, d: int, g: torch.Generator, bs: int = 16):
     return k, v, (1 + torch.randperm(blocks, generator=g)).tolist()
 
 
-def _laid_out(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [slots, kv heads, d] as a pool paged.store wrote them in."""
-    kp, vp = torch.zeros_like(k), torch.zeros_like(v)
-    paged.store(kp, vp, k, v, torch.arange(len(k)))
-    return kp, vp
-
-
 @pytest.mark.parametrize("heads, kv_heads, d, keys", [(9, 3, 64, 513), (4, 2, 16, 40), (32, 8, 128, 1100)])
 def test_paged_attention_matches_float64(heads, kv_heads, d, keys):
     g = torch.Generator().manual_seed(keys)
@@ -92,7 +85,7 @@ def test_paged_attention_matches_float64(heads, kv_heads, d, keys):
     q = torch.randn(len(pos), heads, d, generator=g)
     p = paged.plan([Queries(0, pos, keys, table)], len(pos), 16)
     for ops in BUILDS:
-        out = paged.attend(q, *_laid_out(k, v), p, ops.isa)
+        out = paged.attend(q, *paged.laid_out(k, v), p, ops.isa)
         for i, n in enumerate(pos):
             slots = torch.tensor([table[j // 16] * 16 + j % 16 for j in range(n + 1)])
             ref = attention64(q[i], k[slots], v[slots])
@@ -127,7 +120,7 @@ def test_paged_attention_rows_do_not_depend_on_batch_chunking_placement_or_build
     pos = list(range(keys - 40, keys))
     q = torch.randn(43, heads, d, generator=g)
     groups = [Queries(0, pos, keys, table)] + [Queries(40 + i, [keys - 1 - i], keys - i, table) for i in range(3)]
-    kp, vp = _laid_out(k, v)
+    kp, vp = paged.laid_out(k, v)
     ref = paged.attend(q, kp, vp, paged.plan(groups, 43, 16), BUILDS[0].isa)
     alone = torch.cat([paged.attend(q[i:i + 1], kp, vp, paged.plan([Queries(0, [p], p + 1, table)], 1, 16),
                                     BUILDS[0].isa) for i, p in enumerate(pos + [keys - 1, keys - 2, keys - 3])])
@@ -137,7 +130,7 @@ def test_paged_attention_rows_do_not_depend_on_batch_chunking_placement_or_build
     for a, b in zip(table, moved):
         k2[b * 16:(b + 1) * 16], v2[b * 16:(b + 1) * 16] = k[a * 16:(a + 1) * 16], v[a * 16:(a + 1) * 16]
     chunks = [Queries(0, pos[:7], keys - 33, moved), Queries(7, pos[7:], keys, moved)]
-    out = paged.attend(q[:40], *_laid_out(k2, v2), paged.plan(chunks, 40, 16), BUILDS[-1].isa)
+    out = paged.attend(q[:40], *paged.laid_out(k2, v2), paged.plan(chunks, 40, 16), BUILDS[-1].isa)
     assert torch.equal(out, ref[:40])
 
 

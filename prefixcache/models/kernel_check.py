@@ -36,14 +36,14 @@ def _paged(model, gen: torch.Generator) -> list[str]:
     for a, b in zip(table, moved):
         k2[b * bs:(b + 1) * bs], v2[b * bs:(b + 1) * bs] = k[a * bs:(a + 1) * bs], v[a * bs:(a + 1) * bs]
 
-    def run(queries, rows, keys=k, values=v):
-        kp, vp = torch.zeros_like(keys), torch.zeros_like(values)
-        paged.store(kp, vp, keys, values, torch.arange(len(keys)))
-        return paged.attend(rows, kp, vp, paged.plan(queries, len(rows), bs), model.ops.isa)
+    pool, moved_pool = paged.laid_out(k, v), paged.laid_out(k2, v2)
+
+    def run(queries, rows, kv=pool):
+        return paged.attend(rows, *kv, paged.plan(queries, len(rows), bs), model.ops.isa)
     whole = run([Queries(0, pos, keys, table)], q)
     ways = {"one-token queries": run([Queries(i, [p], keys, table) for i, p in enumerate(pos)], q),
             "one by one": torch.cat([run([Queries(0, [p], keys, table)], q[i:i + 1]) for i, p in enumerate(pos)]),
-            "moved blocks": run([Queries(0, pos, keys, moved)], q, k2, v2)}
+            "moved blocks": run([Queries(0, pos, keys, moved)], q, moved_pool)}
     problems = [f"attention differs {how}" for how, out in ways.items() if not torch.equal(out, whole)]
     ref = torch.stack([attention64(q[i], k[_slots(table, p, bs)], v[_slots(table, p, bs)]) for i, p in enumerate(pos)])
     err = ((whole.double() - ref).abs().max() / ref.abs().max()).item()

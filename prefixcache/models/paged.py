@@ -61,6 +61,14 @@ def store(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.
     v_pool.view(s // 16, h, 16, d)[slots // 16, :, slots % 16] = v
 
 
+
+def laid_out(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool holding keys and values [slots, kv heads, d] at slots 0, 1, ... (for checks and tests)."""
+    kp, vp = torch.zeros_like(k), torch.zeros_like(v)
+    store(kp, vp, k, v, torch.arange(len(k)))
+    return kp, vp
+
+
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                slots: torch.Tensor, heads: int, kv_heads: int, isa: int) -> torch.Tensor:
     """qkv [rows, (heads + 2 kv heads) * d] -> the queries after RoPE [rows, heads, d], with the keys (after RoPE)
