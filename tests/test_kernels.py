@@ -54,6 +54,31 @@ def test_linear_rows_equal_the_one_row_call_for_1_to_64_rows_threads_and_builds(
         torch.set_num_threads(threads)
 
 
+
+@pytest.mark.parametrize("m", [1, 7, 8, 17, 512])
+def test_the_fused_linears_give_the_bits_of_the_separate_ops(m):
+    """RMSNorm or SwiGLU before the GEMM, and the residual after it, in one op: the same bits as the ops apart, on
+    every build, at decode and prefill row counts (512 rows walk k in ranges)."""
+    g = torch.Generator().manual_seed(m)
+    x, norm, res = torch.randn(m, 576, generator=g), torch.randn(576, generator=g), torch.randn(m, 576, generator=g)
+    gu, down = 4 * torch.randn(m, 2 * 1536, generator=g), torch.randn(576, 1536, generator=g)
+    w, b = torch.randn(576, 576, generator=g), torch.randn(576, generator=g)
+    for ops in BUILDS:
+        pw, pd = ops.prepare(w), ops.prepare(down)
+        assert torch.equal(ops.norm_linear(x, norm, 1e-5, pw, b), ops.linear(ops.rms_norm(x, norm, 1e-5), pw, b))
+        assert torch.equal(ops.linear(x, pw, b, residual=res), res + ops.linear(x, pw, b))
+        assert torch.equal(ops.swiglu_linear(gu, pd, residual=res), res + ops.linear(ops.swiglu(gu), pd))
+        assert torch.equal(ops.swiglu_linear(gu, pd, residual=res), BUILDS[0].swiglu_linear(gu, pd, residual=res))
+
+
+def test_the_linear_op_refuses_what_it_cannot_compute():
+    ops = BUILDS[0]
+    pw, x = ops.prepare(torch.randn(32, 16)), torch.randn(3, 16)
+    with pytest.raises(RuntimeError, match="residual shape"):
+        ops.linear(x, pw, residual=torch.zeros(3, 31))
+    with pytest.raises(RuntimeError, match="rms_norm or swiglu"):
+        torch.ops.prefixcache.linear(x, pw.panels, None, 32, ops.isa, torch.ones(16), 1e-5, True)
+
 def test_rms_norm_and_swiglu_match_float64_and_every_row_count():
     g = torch.Generator().manual_seed(1)
     x, w, gu = torch.randn(33, 576, generator=g), torch.randn(576, generator=g), 4 * torch.randn(33, 2 * 1536, generator=g)

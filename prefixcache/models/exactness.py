@@ -152,13 +152,16 @@ class Exactness:
         return {k: v for k, v in asdict(self).items() if k != "ops"}
 
 
-def in_calls(fn: Callable[..., torch.Tensor], x: torch.Tensor, size: int, *args) -> torch.Tensor:
-    """fn(x, *args) for a row-wise fn, in calls of exactly `size` rows; the last call is padded with zero rows."""
+def in_calls(fn: Callable[..., torch.Tensor], x: torch.Tensor, size: int, *args,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """fn(x, *args) (+ residual, rows as x's) for a row-wise fn, in calls of exactly `size` rows; the last call is
+    padded with zero rows. One call adds the residual itself (fused, on our kernels)."""
     m = x.shape[0]
     if m == size:
-        return fn(x, *args)
+        return fn(x, *args) if residual is None else fn(x, *args, residual=residual)
     x = torch.cat([x, x.new_zeros(-m % size, *x.shape[1:])])
-    return torch.cat([fn(c, *args) for c in x.split(size)])[:m]
+    y = torch.cat([fn(c, *args) for c in x.split(size)])[:m]
+    return y if residual is None else residual + y
 
 
 def rows_plan(cpu: str, note: str) -> Exactness:

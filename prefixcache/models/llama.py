@@ -89,7 +89,7 @@ class Llama:
             if between:
                 with torch.inference_mode(False):  # as outside any forward: it may create requests' own tensors
                     between()
-            qkv = self._rows(self._norm_linear, x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
+            qkv = self._rows(self.ops.norm_linear, x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
             if self.paged:
                 q = paged.rope_store(qkv, cos, sin, pool.k[i], pool.v[i], batch.slots, c.num_heads, c.num_kv_heads,
                                      self.ops.isa)
@@ -102,8 +102,9 @@ class Llama:
                 pool.k[i].index_copy_(0, batch.slots, k[:n].to(pool.k.dtype))
                 pool.v[i].index_copy_(0, batch.slots, v[:n].to(pool.v.dtype))
                 o = attention.attend(q, pool.k[i], pool.v[i], plan, *results)
-            x = x + self._rows(self.ops.linear, o.view(-1, nq), L["o"])
-            x = x + self._rows(self._mlp, x, L["ln2"], eps, L["gate_up"], L["down"])
+            x = self._rows(self.ops.linear, o.view(-1, nq), L["o"], None, residual=x)
+            gate_up = self._rows(self.ops.norm_linear, x, L["ln2"], eps, L["gate_up"])
+            x = self._rows(self.ops.swiglu_linear, gate_up, L["down"], residual=x)
         return self._rows(self.ops.rms_norm, x, self.norm, eps)[:n]
 
     def attn_plan(self, queries: list[Queries], num_tokens: int, block_size: int, pool_slots: int,
@@ -127,15 +128,9 @@ class Llama:
                 RowOp("rms_norm", ops.rms_norm, (L["ln1"], c.rms_norm_eps), c.hidden_size),
                 RowOp("swiglu", ops.swiglu, (), 2 * c.intermediate_size)]
 
-    def _rows(self, fn, x: torch.Tensor, *args) -> torch.Tensor:
-        """A row-wise fn(x, *args), in calls of the row counts the exactness plan verified."""
-        return in_calls(fn, x, self.exact.call_rows(x.shape[0]), *args)
-
-    def _norm_linear(self, x: torch.Tensor, norm: torch.Tensor, eps: float, weight, bias) -> torch.Tensor:
-        return self.ops.linear(self.ops.rms_norm(x, norm, eps), weight, bias)
-
-    def _mlp(self, x: torch.Tensor, norm: torch.Tensor, eps: float, gate_up, down) -> torch.Tensor:
-        return self.ops.linear(self.ops.swiglu(self._norm_linear(x, norm, eps, gate_up, None)), down)
+    def _rows(self, fn, x: torch.Tensor, *args, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """A row-wise fn(x, *args) (+ residual), in calls of the row counts the exactness plan verified."""
+        return in_calls(fn, x, self.exact.call_rows(x.shape[0]), *args, residual=residual)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

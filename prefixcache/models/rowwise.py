@@ -1,4 +1,6 @@
 """The forward's row-wise ops (GEMMs, RMSNorm, SwiGLU), on torch or on our kernels: one object of either class.
+A GEMM may take its input through RMSNorm or SwiGLU first, and add a residual to its result: on our kernels that is
+one op, with the bits of the separate ones.
 
 TorchOps: torch's CPU kernels, whose results can depend on a call's row count, so the exactness probe finds the
 row counts to call them with (models/exactness.py). KernelOps: ours (prefixcache/kernels), where every output's
@@ -40,13 +42,21 @@ class TorchOps:
     def prepare(self, w: torch.Tensor | Packed) -> torch.Tensor:
         return w.unpack() if isinstance(w, Packed) else w
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight.T + bias on oneDNN rather than MKL's sgemm (F.linear): on an AMD EPYC (Zen 4) only its 1-row
-        calls differ from the rest (sgemm's differ up to 11 rows), so decode pads to 2 rows instead of 4, and over
-        every layer's weights it ran 1.1-2x faster than sgemm at each row count from 1 to 512."""
-        if _onednn_linear is None:
-            return F.linear(x, weight, bias)
-        return _onednn_linear(x, weight, bias, "none", [], "")
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + x @ weight.T + bias on oneDNN rather than MKL's sgemm (F.linear): on an AMD EPYC (Zen 4) only
+        its 1-row calls differ from the rest (sgemm's differ up to 11 rows), so decode pads to 2 rows instead of 4,
+        and over every layer's weights it ran 1.1-2x faster than sgemm at each row count from 1 to 512."""
+        y = F.linear(x, weight, bias) if _onednn_linear is None else _onednn_linear(x, weight, bias, "none", [], "")
+        return y if residual is None else residual + y
+
+    def norm_linear(self, x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.linear(self.rms_norm(x, norm, eps), weight, bias)
+
+    def swiglu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.linear(self.swiglu(gate_up), weight, None, residual)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -73,8 +83,19 @@ class KernelOps:
         panels = -(-n // 16)
         return Packed(F.pad(w, (0, 0, 0, panels * 16 - n)).view(panels, 16, k).transpose(1, 2).contiguous(), n)
 
-    def linear(self, x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.prefixcache.linear(x.contiguous(), weight.panels, bias, weight.n, self.isa)
+    def linear(self, x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.prefixcache.linear(x.contiguous(), weight.panels, bias, weight.n, self.isa,
+                                            residual=residual)
+
+    def norm_linear(self, x: torch.Tensor, norm: torch.Tensor, eps: float, weight: Packed,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.prefixcache.linear(x.contiguous(), weight.panels, bias, weight.n, self.isa, norm, eps)
+
+    def swiglu_linear(self, gate_up: torch.Tensor, weight: Packed,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.prefixcache.linear(gate_up.contiguous(), weight.panels, None, weight.n, self.isa,
+                                            swiglu=True, residual=residual)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.ops.prefixcache.rms_norm(x.contiguous(), weight, eps, self.isa)

@@ -40,8 +40,8 @@ inline int64_t attn_scratch(const AttnArgs& a) {
 
 #define PC_DECLARE(ns)                                                                                         \
   namespace ns {                                                                                               \
-  void linear(const float* x, int64_t m, int64_t k, const float* packed, const float* bias, float* y,          \
-              int64_t n, int64_t p0, int64_t p1);                                                              \
+  void linear(const float* x, int64_t m, int64_t k, const float* packed, const float* bias, const float* res,  \
+              float* y, int64_t n, int64_t p0, int64_t p1);                                                    \
   void rms_norm(const float* x, const float* w, float* y, int64_t k, float eps, int64_t r0, int64_t r1);       \
   void silu_mul(const float* gate_up, float* y, int64_t i, int64_t r0, int64_t r1);                            \
   void attend(const AttnArgs& a, float* scratch, int64_t u0, int64_t u1);                                      \

@@ -1,5 +1,5 @@
-// torch ops prefixcache::{supported, linear, rms_norm, silu_mul, attend}: argument checks, threads, and the ISA
-// build each call names. Threads split panels, rows or attention units, never a reduction.
+// torch ops prefixcache::{supported, linear, rms_norm, silu_mul, rope_store, attend}: argument checks, threads, and
+// the ISA build each call names. Threads split panels, rows or attention units, never a reduction.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -46,27 +46,6 @@ void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), name, " must be a contiguous float32 tensor");
 }
 
-// x [m, k] @ w.T for w packed by panels of 16 rows: packed [ceil(n / 16), k, 16]
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n, int64_t isa) {
-  check_f32(x, "x");
-  check_f32(packed, "packed");
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == 16 && packed.size(1) == x.size(1) &&
-                  packed.size(0) == (n + 15) / 16, "linear: shapes do not match");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    check_f32(*bias, "bias");
-    TORCH_CHECK(bias->numel() == n, "linear: bias size");
-    b = bias->data_ptr<float>();
-  }
-  const Isa& k = pick(isa);
-  const int64_t m = x.size(0), kk = x.size(1), panels = packed.size(0);
-  at::Tensor y = at::empty({m, n}, x.options());
-  const float *xp = x.data_ptr<float>(), *wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { k.linear(xp, m, kk, wp, b, yp, n, p0, p1); });
-  return y;
-}
-
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa) {
   check_f32(x, "x");
   check_f32(w, "weight");
@@ -90,6 +69,38 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) {
   at::parallel_for(0, gate_up.size(0), 16, [&](int64_t r0, int64_t r1) {
     k.silu_mul(gate_up.data_ptr<float>(), y.data_ptr<float>(), inter, r0, r1);
   });
+  return y;
+}
+
+// x' @ w.T (+ bias) (+ residual [m, n]) for w packed by panels of 16 rows, [ceil(n / 16), k, 16], where x' is x,
+// rms_norm(x, norm) or (swiglu) silu_mul(x): one op with the bits of the separate ones, each result rounded as
+// they round it (the residual added after the bias, as torch adds it to the op's result)
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
+                  int64_t isa, const c10::optional<at::Tensor>& norm, double eps, bool swiglu,
+                  const c10::optional<at::Tensor>& residual) {
+  check_f32(packed, "packed");
+  TORCH_CHECK(!(norm.has_value() && swiglu), "linear: rms_norm or swiglu, not both");
+  const at::Tensor in = norm.has_value() ? rms_norm(x, *norm, eps, isa) : swiglu ? silu_mul(x, isa) : x;
+  check_f32(in, "x");
+  TORCH_CHECK(in.dim() == 2 && packed.dim() == 3 && packed.size(2) == 16 && packed.size(1) == in.size(1) &&
+                  packed.size(0) == (n + 15) / 16, "linear: shapes do not match");
+  const int64_t m = in.size(0), kk = in.size(1), panels = packed.size(0);
+  const float *b = nullptr, *res = nullptr;
+  if (bias.has_value()) {
+    check_f32(*bias, "bias");
+    TORCH_CHECK(bias->numel() == n, "linear: bias size");
+    b = bias->data_ptr<float>();
+  }
+  if (residual.has_value()) {
+    check_f32(*residual, "residual");
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == m && residual->size(1) == n, "linear: residual shape");
+    res = residual->data_ptr<float>();
+  }
+  const Isa& k = pick(isa);
+  at::Tensor y = at::empty({m, n}, in.options());
+  const float *xp = in.data_ptr<float>(), *wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { k.linear(xp, m, kk, wp, b, res, yp, n, p0, p1); });
   return y;
 }
 
@@ -161,7 +172,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 TORCH_LIBRARY(prefixcache, m) {
   m.def("supported() -> str[]", &supported);
-  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, int isa) -> Tensor", &linear);
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, int isa, Tensor? norm=None, float eps=0., "
+        "bool swiglu=False, Tensor? residual=None) -> Tensor", &linear);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor", &rms_norm);
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor", &silu_mul);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
