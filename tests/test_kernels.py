@@ -136,9 +136,10 @@ def test_rope_store_is_rope_then_store(heads, kv_heads, d):
         assert torch.equal(out, _rope(q, cos, sin)) and torch.equal(kp, k_ref) and torch.equal(vp, v_ref), ops.name
 
 
-def test_paged_attention_rows_do_not_depend_on_batch_chunking_placement_or_build():
+def test_paged_attention_rows_do_not_depend_on_batch_chunking_placement_threads_or_build():
     """40 prompt tokens of one sequence and the decode tokens of 3 sequences sharing its blocks: each row's bits
-    equal its own call's, with the blocks moved, in chunks, in any build."""
+    equal its own call's (whose 3 units are fewer than 2 a thread: its spans run apart, then fold), with the blocks
+    moved, in chunks, in any build."""
     g = torch.Generator().manual_seed(7)
     heads, kvh, d, keys = 9, 3, 64, 700
     k, v, table = _pool(keys, kvh, d, g)
@@ -147,9 +148,15 @@ def test_paged_attention_rows_do_not_depend_on_batch_chunking_placement_or_build
     groups = [Queries(0, pos, keys, table)] + [Queries(40 + i, [keys - 1 - i], keys - i, table) for i in range(3)]
     kp, vp = paged.laid_out(k, v)
     ref = paged.attend(q, kp, vp, paged.plan(groups, 43, 16), BUILDS[0].isa)
-    alone = torch.cat([paged.attend(q[i:i + 1], kp, vp, paged.plan([Queries(0, [p], p + 1, table)], 1, 16),
-                                    BUILDS[0].isa) for i, p in enumerate(pos + [keys - 1, keys - 2, keys - 3])])
-    assert torch.equal(ref, alone)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            alone = torch.cat([paged.attend(q[i:i + 1], kp, vp, paged.plan([Queries(0, [p], p + 1, table)], 1, 16),
+                                            BUILDS[0].isa) for i, p in enumerate(pos + [keys - 1, keys - 2, keys - 3])])
+            assert torch.equal(ref, alone), t
+    finally:
+        torch.set_num_threads(threads)
     moved = (1 + torch.randperm(len(table), generator=g)).tolist()
     k2, v2 = k.clone(), v.clone()
     for a, b in zip(table, moved):

@@ -1,8 +1,10 @@
 """Paged attention on our kernel: every query token of a step in one call per layer, over the block table.
 
-A (token, head) row runs its own online softmax over key blocks 0, 1, ... of 64 keys (aligned to absolute
-positions), each found through its sequence's block table where it lies: no gather, no padding, no tiles. Its bits
-depend on its query and its keys only, whatever the batch, the chunking or the blocks' places in the pool.
+A (token, head) row runs its own online softmax over each span of 256 keys, in key blocks of 64 (aligned to
+absolute positions), and folds the spans' states in order; each block is found through its sequence's block table
+where it lies: no gather, no padding, no tiles. Its bits depend on its query and its keys only, whatever the batch,
+the chunking, the threads or the blocks' places in the pool. A step with fewer units than two a thread (one or two
+sequences decoding) runs each span apart, then folds them: the same arithmetic, on every thread.
 Items group tokens that read the same blocks (one sequence's tokens; decode tokens of sequences whose first block
 is the same, as n samples of one prompt or a shared cached prefix), so those blocks are loaded once per item.
 """

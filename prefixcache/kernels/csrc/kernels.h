@@ -30,13 +30,13 @@ struct RopeArgs {
 };
 
 constexpr int KEY_BLOCK = 64;    // keys per step of a row's online softmax, aligned to absolute positions
+constexpr int SPAN = 256;        // keys per span: a row's softmax restarts at each and folds the spans in order
 constexpr int ITEM_TOKENS = 16;  // most tokens in one attention item
 constexpr int MAX_ROWS = 6;      // most attention rows a build computes in one register tile
 
-// scratch floats one attention unit needs
-inline int64_t attn_scratch(const AttnArgs& a) {
-  return ITEM_TOKENS * (a.heads / a.kv_heads) * (a.d + 2) + MAX_ROWS * KEY_BLOCK;
-}
+// floats of one unit's online-softmax state (rows of an item, each d + 2), and the scratch a unit needs
+inline int64_t attn_partial(const AttnArgs& a) { return ITEM_TOKENS * (a.heads / a.kv_heads) * (a.d + 2); }
+inline int64_t attn_scratch(const AttnArgs& a) { return 2 * attn_partial(a) + MAX_ROWS * KEY_BLOCK; }
 
 #define PC_DECLARE(ns)                                                                                         \
   namespace ns {                                                                                               \
@@ -45,6 +45,10 @@ inline int64_t attn_scratch(const AttnArgs& a) {
   void rms_norm(const float* x, const float* w, float* y, int64_t k, float eps, int64_t r0, int64_t r1);       \
   void silu_mul(const float* gate_up, float* y, int64_t i, int64_t r0, int64_t r1);                            \
   void attend(const AttnArgs& a, float* scratch, int64_t u0, int64_t u1);                                      \
+  void attend_spans(const AttnArgs& a, const int32_t* spans, float* partials, float* scratch, int64_t u0,        \
+                    int64_t u1);                                                                               \
+  void attend_merge(const AttnArgs& a, const int32_t* first, float* partials, float* scratch, int64_t u0,        \
+                    int64_t u1);                                                                               \
   void rope_store(const RopeArgs& a, float* scratch, int64_t r0, int64_t r1);                                  \
   }
 PC_DECLARE(avx512)

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -18,9 +19,13 @@ struct Isa {
   decltype(&avx2::rms_norm) rms_norm;
   decltype(&avx2::silu_mul) silu_mul;
   decltype(&avx2::attend) attend;
+  decltype(&avx2::attend_spans) attend_spans;
+  decltype(&avx2::attend_merge) attend_merge;
 };
-const Isa AVX512{"avx512", avx512::rope_store, avx512::linear, avx512::rms_norm, avx512::silu_mul, avx512::attend};
-const Isa AVX2{"avx2", avx2::rope_store, avx2::linear, avx2::rms_norm, avx2::silu_mul, avx2::attend};
+const Isa AVX512{"avx512", avx512::rope_store, avx512::linear, avx512::rms_norm, avx512::silu_mul, avx512::attend,
+                 avx512::attend_spans, avx512::attend_merge};
+const Isa AVX2{"avx2", avx2::rope_store, avx2::linear, avx2::rms_norm, avx2::silu_mul, avx2::attend,
+               avx2::attend_spans, avx2::attend_merge};
 bool supports(const char* name) {
   __builtin_cpu_init();
   if (std::string(name) == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
@@ -157,13 +162,36 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
              pos.data_ptr<int64_t>(), tables.data_ptr<int32_t>(), row_seq.data_ptr<int32_t>(),
              order.data_ptr<int32_t>(), items.data_ptr<int32_t>(), q.size(1), k.size(1), q.size(2),
              tables.size(1), block_size, (float)scale};
-  const int64_t units = (items.numel() - 1) * a.kv_heads;
+  const int64_t num_items = items.numel() - 1, units = num_items * a.kv_heads;
   const int32_t* it = items.data_ptr<int32_t>();
-  for (int64_t i = 0; i + 1 < items.numel(); i++)
-    TORCH_CHECK(it[i + 1] - it[i] <= ITEM_TOKENS && it[i + 1] >= it[i], "attend: an item holds at most ", ITEM_TOKENS, " tokens");
+  for (int64_t i = 0; i < num_items; i++)
+    TORCH_CHECK(it[i + 1] - it[i] <= ITEM_TOKENS && it[i + 1] >= it[i], "attend: an item holds at most ",
+                ITEM_TOKENS, " tokens");
+  if (units >= 2 * at::get_num_threads()) {
+    at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+      std::vector<float> scratch(attn_scratch(a));
+      kern.attend(a, scratch.data(), u0, u1);
+    });
+    return out;
+  }
+  // too few units to keep the threads busy (a decode step of one or two sequences): each span its own unit, then
+  // the spans folded per item, in the same order as attend folds them
+  std::vector<int32_t> spans, first;  // (item, span) pairs; each item's first pair
+  for (int64_t i = 0; i < num_items; i++) {
+    int64_t last = 0;
+    for (int32_t t = it[i]; t < it[i + 1]; t++) last = std::max(last, a.pos[a.order[t]]);
+    first.push_back((int32_t)spans.size() / 2);
+    for (int64_t s = 0; s <= last / SPAN; s++) spans.insert(spans.end(), {(int32_t)i, (int32_t)s});
+  }
+  const int64_t span_units = (int64_t)spans.size() / 2 * a.kv_heads;
+  std::vector<float> partials(span_units * attn_partial(a));
+  at::parallel_for(0, span_units, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> scratch(attn_scratch(a));
+    kern.attend_spans(a, spans.data(), partials.data(), scratch.data(), u0, u1);
+  });
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> scratch(attn_scratch(a));
-    kern.attend(a, scratch.data(), u0, u1);
+    kern.attend_merge(a, first.data(), partials.data(), scratch.data(), u0, u1);
   });
   return out;
 }
