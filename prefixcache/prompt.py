@@ -93,10 +93,13 @@ def fields(body: dict) -> list[Field]:
     return out
 
 
-def render(tokenizer, fields: list[Field], generation_prompt: bool = True) -> Prompt:
-    """The prompt's token ids, and where each field and each chat message sits in its text."""
+def render(tokenizer, fields: list[Field], generation_prompt: bool = True, continue_final: bool = False,
+           add_special_tokens: bool = False, template_kwargs: dict | None = None) -> Prompt:
+    """The prompt's token ids, and where each field and each chat message sits in its text. continue_final leaves
+    the last message open (the reply continues it); template_kwargs go to the chat template."""
     messages = chat_messages(fields)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                         continue_final_message=continue_final, **(template_kwargs or {}))
     spans, message_spans, cursor = [], [], 0
     for fs in _chat(fields):
         content, starts = _content(fs)
@@ -105,7 +108,7 @@ def render(tokenizer, fields: list[Field], generation_prompt: bool = True) -> Pr
         message_spans.append((base, base + len(content)))
         spans += [Span(f, base + s, base + s + len(f.text)) for f, s in zip(fs, starts)]
         cursor = base + len(content)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     return Prompt(text, list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]], spans, message_spans)
 
 

@@ -14,7 +14,9 @@ ACME = {"Authorization": "Bearer sk-acme"}
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
 MESSAGES = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
 INFORMATIONAL = {"openai": {"user": "u-1", "safety_identifier": "s-1", "metadata": {"k": "v"},
-                            "service_tier": "auto", "store": False},
+                            "service_tier": "auto", "store": False, "session_id": "s-2", "include_reasoning": False,
+                            "priority": 0, "use_beam_search": False, "length_penalty": 1.0, "watermarking": False,
+                            "spaces_between_special_tokens": True},
                  "anthropic": {"metadata": {"user_id": "u-1"}, "service_tier": "auto"}}
 
 

@@ -12,6 +12,7 @@ CONTEXT = 5  # tokens of already-shown text decoded with each new token
 @dataclass
 class Detokenizer:
     tokenizer: object
+    skip_special_tokens: bool = True
     ids: list[int] = field(default_factory=list)
     text: str = ""
     prefix_offset: int = 0  # ids[prefix_offset:read_offset] decode to the end of `text`
@@ -38,4 +39,4 @@ class Detokenizer:
         return rest
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -100,7 +100,8 @@ class Engine:
         if needed > room:  # it could never be admitted: waiting would hang
             raise ValueError(f"prompt needs {needed} KV blocks; the budget leaves {room} (pinned entries excluded)")
         vocab = self.model_config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
             if any(t < 0 or t >= vocab for t in ids):
                 raise ValueError(f"{name}: token ids must be in the vocabulary [0, {vocab})")
         if params.num_samples > self.config.max_num_seqs:
@@ -110,7 +111,7 @@ class Engine:
         grammar = self.grammars.compile(samples[0].scope, params.guide) if params.guide else None
         for i, seq in enumerate(samples):
             seq.index, seq.samples, seq.grammar = i, samples, grammar
-            seq.detok = Detokenizer(self.tokenizer)
+            seq.detok = Detokenizer(self.tokenizer, params.skip_special_tokens)
             seq.draft_len = self.config.num_speculative_tokens if self.speculation.applies(seq) else 0
         seq = samples[0]
         seq.forks = samples[1:]  # they start from its blocks once its prompt is computed
@@ -350,16 +351,18 @@ class Engine:
         if seq.logprobs is not None:
             seq.logprobs.append(logprob)
         p = seq.params
-        # a stop token's text is not part of the output; the sampler masks them until min_tokens
+        # a stop token's text is not part of the output (unless asked); the sampler masks them until min_tokens
         eos = token in self.model_config.eos_token_ids
         # a finished grammar accepted its stop token: nothing may follow it, ignore_eos or not
         stop_token = token in p.stop_token_ids or (eos and not p.ignore_eos) or bool(seq.matcher and seq.matcher.done)
-        new = "" if stop_token else seq.detok.add(token)
+        new = "" if stop_token and not p.include_stop_str_in_output else seq.detok.add(token)
         text = seq.detok.text
         stops = p.stop if len(seq.output_ids) >= p.min_tokens else []
         since = len(text) - len(new) - max(map(len, stops), default=0) + 1  # only new text can complete a stop
-        stop_at = min((i for i in (text.find(s, max(since, 0)) for s in stops) if i >= 0), default=-1)
-        seq.text = text[:stop_at] if stop_at >= 0 else text
+        # the earliest stop string in the text, the longest of those that start there
+        stop_at, length = min(((i, -len(s)) for s in stops if (i := text.find(s, max(since, 0))) >= 0),
+                              default=(-1, 0))
+        seq.text = text[:stop_at - length * p.include_stop_str_in_output] if stop_at >= 0 else text
         if stop_token or stop_at >= 0:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len:

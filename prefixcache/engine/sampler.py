@@ -1,5 +1,5 @@
-"""Sampling, one row at a time: the raw logprobs, then biases and penalties, then greedy or temperature / top-k /
-top-p. A row's result depends on nothing but its row and its sequence (DESIGN.md, invariants 1 and 7), and a
+"""Sampling, one row at a time: the raw logprobs, then biases and penalties, then greedy or temperature / min-p /
+top-k / top-p. A row's result depends on nothing but its row and its sequence (DESIGN.md, invariants 1 and 7), and a
 sequence whose row has no allowed token or holds NaN fails alone (RowFault).
 
 A sampled token's random draw is seeded by the sequence's seed and the token's position only. So a seeded
@@ -7,6 +7,8 @@ request gives the same text whether or not a speculative draft ran (or how long 
 is drawing that position's token and comparing, which accepts the draft with probability p(draft), as speculative
 sampling with a one-point draft does, and leaves the output distribution exactly p.
 """
+import math
+
 import torch
 import xxhash
 
@@ -36,12 +38,16 @@ class Sampler:
         return token, logprobs(raw, [token], [seq.params.logprobs or 0])[0]
 
     def penalize(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-        """logit_bias, the min_tokens mask, then repetition, frequency and presence penalties (vLLM's order); the
-        row itself if the sequence asks for none."""
+        """allowed_token_ids, logit_bias, the min_tokens mask, then repetition, frequency and presence penalties
+        (vLLM's order); the row itself if the sequence asks for none."""
         p = seq.params
         if not p.penalized:
             return logits
         row = logits.float().clone()
+        if p.allowed_token_ids is not None:
+            allowed = torch.zeros(len(row), dtype=torch.bool)
+            allowed[p.allowed_token_ids] = True
+            row = row.masked_fill(~allowed, float("-inf"))
         if p.logit_bias:
             bias = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
             row.index_put_((torch.tensor(list(p.logit_bias)),), bias, accumulate=True)
@@ -62,7 +68,8 @@ class Sampler:
             raise RowFault(Fault("the model produced NaN logits", internal=True))
         if logits.max() == float("-inf"):
             raise RowFault(Fault("no token is allowed next: the request's constraints (guide, min_tokens, "
-                                 "stop_token_ids, logit_bias) exclude every token", internal=False))
+                                 "stop_token_ids, logit_bias, allowed_token_ids) exclude every token",
+                                 internal=False))
         if seq.params.temperature < GREEDY_BELOW:
             return int(torch.argmax(logits))
         self.generator.manual_seed(xxhash.xxh3_64_intdigest(f"{seq.seed}:{len(seq.tokens)}".encode()) >> 1)
@@ -70,8 +77,10 @@ class Sampler:
 
     @staticmethod
     def _probs(logits: torch.Tensor, params) -> torch.Tensor:
-        """The distribution a token is sampled from: temperature, then top-k, then top-p."""
+        """The distribution a token is sampled from: temperature, then min-p, top-k and top-p (vLLM's order)."""
         logits = (logits.float() - logits.max()) / params.temperature  # the best token at 0: nothing overflows
+        if params.min_p:  # p < min_p * p_max, with the likeliest token's logit at 0
+            logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
         if params.top_k:
             kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -19,6 +19,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # vLLM's: tokens less likely than min_p times the likeliest (after temperature) are dropped
     max_tokens: int = 64
     stop: list[str] = field(default_factory=list)
     seed: int | None = None  # sample i of n gets seed + i
@@ -30,6 +31,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's, over output tokens: minus penalty * count
     presence_penalty: float = 0.0  # OpenAI's, over output tokens: minus penalty if present
     stop_token_ids: list[int] = field(default_factory=list)  # finish (reason "stop") on any of these tokens
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may come next
+    skip_special_tokens: bool = True  # special tokens' text is left out of the output text
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) that ended the output stays
     logprobs: int | None = None  # None: none; k: each sampled token's logprob and the k most likely tokens
     prompt_logprobs: int | None = None  # the same for prompt tokens; the prompt is then recomputed, not cached
     n: int = 1  # samples returned
@@ -46,6 +50,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must hold at least one token id")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not all(-100 <= b <= 100 for b in self.logit_bias.values()):
@@ -75,7 +83,7 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1 or self.frequency_penalty
-                    or self.presence_penalty)
+                    or self.presence_penalty or self.allowed_token_ids is not None)
 
     def sample(self, i: int) -> "SamplingParams":
         """The parameters of sample i of a request: its own seed; the prompt's logprobs belong to sample 0."""

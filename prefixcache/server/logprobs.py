@@ -21,12 +21,15 @@ def _value(logprob: float) -> float:
 
 
 class TokenText:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_ids: bool = False):
         self.tokenizer = tokenizer
+        self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids: a token shows as "token_id:N"
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.byte_level = isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
 
     def bytes(self, token: int) -> bytes:
+        if self.as_ids:
+            return f"token_id:{token}".encode()
         piece = self.tokenizer.convert_ids_to_tokens(token)
         if self.byte_level and all(c in BYTE_OF for c in piece):
             return bytes(BYTE_OF[c] for c in piece)

@@ -5,11 +5,13 @@ accepted; entries live until evicted either way. `cache_salt` and `prompt_cache_
 Without max_tokens / max_completion_tokens a request generates at most DEFAULT_MAX_TOKENS tokens.
 Chat requests (tools, tool calls, content parts) are rendered by prefixcache/prompt.py.
 """
+import inspect
 import json
 import time
 import uuid
 from typing import Annotated, Literal
 
+import jinja2
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -25,6 +27,11 @@ from prefixcache.server.tools import Holdback, ToolUse
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP = 4  # stop sequences, as OpenAI allows
+ONE_VALUE = {  # vLLM extensions accepted at the one value that needs nothing we lack
+    "priority": (0, "no priority scheduling"), "use_beam_search": (False, "no beam search"),
+    "length_penalty": (1.0, "it weighs beam search's beams"), "watermarking": (False, "no watermarking"),
+    "spaces_between_special_tokens": (True, "special tokens' text is left out of the output, or shown as decoded"),
+}
 
 router = APIRouter()
 
@@ -118,6 +125,22 @@ class Common(Strict):
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM extension
     min_tokens: int | None = Field(None, ge=0)  # vLLM extension
     stop_token_ids: list[int] | None = None  # vLLM extension
+    # vLLM's other sampling and output extensions (server/fields.py says what each does here)
+    ignore_eos: bool | None = None
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    add_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[\w.:-]+$")
+    session_id: str | None = None  # informational
+    priority: int | None = None  # 0 only
+    use_beam_search: bool | None = None  # false only
+    length_penalty: float | None = None  # 1 only (it weighs beams)
+    watermarking: bool | None = None  # false only
+    spaces_between_special_tokens: bool | None = None  # true only
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # informational
@@ -133,6 +156,14 @@ class Common(Strict):
     cache_salt: str | None = None
     speculative: bool | None = None  # extension: false opts this request out of speculative decoding
 
+    @field_validator("priority", "use_beam_search", "length_penalty", "watermarking", "spaces_between_special_tokens")
+    @classmethod
+    def the_one_value(cls, v, info: ValidationInfo):
+        value, why = ONE_VALUE[info.field_name]
+        if v is not None and v != value:
+            raise ValueError(f"only {json.dumps(value)} is supported: {why}")
+        return v
+
     def sampling(self, max_model_len: int) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
         if max_tokens >= max_model_len:
@@ -146,7 +177,9 @@ class Common(Strict):
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0, min_tokens=self.min_tokens or 0,
                 stop_token_ids=self.stop_token_ids or [], speculative=self.speculative is not False,
-                **self.logprob_params())
+                ignore_eos=bool(self.ignore_eos), top_k=max(self.top_k or 0, 0), min_p=self.min_p or 0.0,
+                allowed_token_ids=self.allowed_token_ids, skip_special_tokens=self.skip_special_tokens is not False,
+                include_stop_str_in_output=bool(self.include_stop_str_in_output), **self.logprob_params())
         except ValueError as e:
             raise ApiError(400, str(e))
 
@@ -179,6 +212,11 @@ class ChatRequest(Common):
     parallel_tool_calls: bool | None = None  # a forced call is one call; with auto, one call per reply line
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool | None = None  # vLLM extension: default true
+    continue_final_message: bool | None = None  # vLLM extension: the last message left open, to be continued
+    chat_template_kwargs: dict | None = None  # vLLM extension: passed to the chat template
+    echo: bool | None = None  # vLLM extension: a final assistant message's text starts the reply
+    include_reasoning: bool | None = None  # informational: not a reasoning model
 
     @field_validator("top_logprobs")
     @classmethod
@@ -192,7 +230,30 @@ class ChatRequest(Common):
 
     def rendered(self, tokenizer) -> Prompt:
         """The prompt the chat template makes of the messages and tools."""
-        return render(tokenizer, fields(self.model_dump(exclude_unset=True)))
+        continued = bool(self.continue_final_message)
+        own = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+        clash = next((k for k in self.chat_template_kwargs or {} if k in own or not k.isidentifier()), None)
+        if clash is not None:
+            raise ApiError(400, f"chat_template_kwargs: {clash!r} is not a chat template variable",
+                           param="chat_template_kwargs")
+        if continued and self.add_generation_prompt is not False:
+            raise ApiError(400, "continue_final_message: add_generation_prompt (default true) and "
+                           "continue_final_message cannot both be true", param="continue_final_message")
+        try:
+            return render(tokenizer, fields(self.model_dump(exclude_unset=True)),
+                          generation_prompt=self.add_generation_prompt is not False,
+                          continue_final=continued, add_special_tokens=bool(self.add_special_tokens),
+                          template_kwargs=self.chat_template_kwargs or {})
+        except (TypeError, ValueError, jinja2.TemplateError) as e:  # the template refused the kwargs or messages
+            param = "chat_template_kwargs" if self.chat_template_kwargs else "messages"
+            raise ApiError(400, f"{param}: the chat template failed on this request: {e}", param=param)
+
+    def echoed(self) -> str:
+        """vLLM's echo: the text of a final assistant message, which the reply continues."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        return last.content if isinstance(last.content, str) else "\n".join(p.text for p in last.content)
 
     def tool_use(self) -> ToolUse | None:
         """How the reply may call tools; None when it may not (no tools, or tool_choice none)."""
@@ -222,6 +283,8 @@ class CompletionRequest(Common):
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool | None = False  # the prompt before the completion (with its logprobs, recomputed, if asked)
     best_of: int | None = Field(None, ge=1)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM extension: keep this many (-1: the window)
+    truncation_side: Literal["left", "right"] | None = None  # vLLM extension: which end truncation keeps
 
     @field_validator("best_of")
     @classmethod
@@ -235,7 +298,7 @@ class CompletionRequest(Common):
                 "best_of": self.best_of}
 
 
-def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
+def completion_prompt(tokenizer, req: CompletionRequest, max_model_len: int) -> list[int]:
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:
@@ -243,7 +306,11 @@ def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
         p = p[0]
     if not p:
         raise ApiError(400, "prompt is empty", param="prompt")
-    return tokenizer.encode(p) if isinstance(p, str) else list(p)
+    ids = tokenizer.encode(p, add_special_tokens=req.add_special_tokens is not False) if isinstance(p, str) else list(p)
+    keep = max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+    if not keep or len(ids) <= keep:
+        return ids
+    return ids[:keep] if req.truncation_side == "right" else ids[-keep:]
 
 
 def usage(gen: Generation) -> dict:
@@ -260,15 +327,15 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
     server = request.app.state.server
     server.check_model(req.model)
     rendered = req.rendered(server.tokenizer) if chat else None
-    prompt = rendered.token_ids if rendered else completion_prompt(server.tokenizer, req)
+    prompt = rendered.token_ids if rendered else completion_prompt(server.tokenizer, req, server.engine.max_model_len)
     params = req.sampling(server.engine.max_model_len)
     gen = await server.generate(request, "openai", caller, prompt, params, req.salt,
                                 where=rendered.where if rendered else None)
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
     base = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": server.model_name}
 
-    tt = TokenText(server.tokenizer)
+    tt = TokenText(server.tokenizer, as_ids=bool(req.return_tokens_as_token_ids))
     offsets = [CompletionLogprobs(tt) for _ in range(params.n)]  # each choice's text offsets
 
     def logprobs(i: int, tokens: list[int], entries: list) -> dict | None:
@@ -301,6 +368,7 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
 
     echo = not chat and req.echo  # completions: each choice starts with the prompt (and its logprobs)
     prompt_text = server.tokenizer.decode(prompt) if echo else ""
+    continued = req.echoed() if chat else ""  # chat: the final assistant message the reply continues
 
     if not req.stream:
         texts = await gen.texts()
@@ -309,7 +377,7 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
             tokens, entries = out.token_ids, out.logprobs or []
             if echo:
                 tokens, entries = prompt + tokens, (gen.prompt_logprobs or []) + entries
-            text = prompt_text + texts[out.index]
+            text = prompt_text + continued + texts[out.index]
             choices.append(choice(i, text, out.finish_reason, logprobs(i, tokens, entries), calls=tool_calls(text)))
         return JSONResponse({**base, "choices": choices, "usage": usage(gen)}, headers=gen.header())
 
@@ -322,7 +390,7 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
         try:
             for i in range(params.n):  # streams have no best_of > n: sample i is choice i
                 if chat:
-                    yield sse([choice(i, None, None, first=True)])
+                    yield sse([choice(i, continued or None, None, first=True)])
                 elif echo:
                     yield sse([choice(i, prompt_text, None, logprobs(i, prompt, gen.prompt_logprobs or []))])
             holds = [Holdback() if use else None for _ in range(params.n)]
