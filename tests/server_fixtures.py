@@ -137,8 +137,8 @@ def long_system(tag: str, n: int = 10) -> str:
 
 
 def metrics(url: str, key: str = "sk-admin") -> dict[tuple, float]:
-    """Samples of /metrics (read with an admin key: tenants may not) keyed by (name, sorted label items without
-    model_name)."""
+    """Samples of /metrics (read with an admin key: tenants may not) keyed by (name, sorted label items but
+    model_name and engine)."""
     import httpx
 
     r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"})
@@ -147,7 +147,7 @@ def metrics(url: str, key: str = "sk-admin") -> dict[tuple, float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))
             out[(s.name, labels)] = s.value
     return out
 

@@ -159,10 +159,10 @@ def test_stream_disconnect_aborts_and_frees_blocks():
             assert pool.num_free < pool.usable_blocks  # the request holds its blocks, and cannot finish now
         until(lambda: srv.server.worker.in_flight == 0)  # the server saw the disconnect and queued the abort
         pause.release()
-    after = wait_for(srv.url, "prefixcache:kv_cache_usage_perc", 0)
-    key = ("prefixcache:request_success_total", (("finish_reason", "abort"),))
+    after = wait_for(srv.url, "vllm:kv_cache_usage_perc", 0)
+    key = ("vllm:request_success_total", (("finished_reason", "abort"),))
     assert after[key] - before.get(key, 0) == 1
-    assert after[("prefixcache:num_requests_running", ())] == 0
+    assert after[("vllm:num_requests_running", ())] == 0
 
 
 def test_a_client_that_hangs_up_while_queued_is_dropped():
@@ -183,8 +183,8 @@ def test_a_client_that_hangs_up_while_queued_is_dropped():
             second.held()
             assert not scheduler.waiting and len(scheduler.running) == 1
             second.release()
-    after = wait_for(srv.url, "prefixcache:num_requests_running", 0)
-    key = ("prefixcache:request_success_total", (("finish_reason", "abort"),))
+    after = wait_for(srv.url, "vllm:num_requests_running", 0)
+    key = ("vllm:request_success_total", (("finished_reason", "abort"),))
     assert after[key] - before.get(key, 0) == 2
 
 

@@ -180,18 +180,26 @@ def test_metrics_move(srv):
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0) - before.get(key, 0)
 
-    assert moved("prefixcache:prefix_cache_queries_total") == 2 * first.usage.prompt_tokens
-    assert moved("prefixcache:prefix_cache_hits_total") == second.usage.prompt_tokens_details.cached_tokens > 0
-    assert moved("prefixcache:e2e_request_latency_seconds_count") == 2
-    assert moved("prefixcache:time_to_first_token_seconds_count") == 2
-    assert moved("prefixcache:inter_token_latency_seconds_count") == \
+    assert moved("vllm:prefix_cache_queries_total") == 2 * first.usage.prompt_tokens
+    assert moved("vllm:prefix_cache_hits_total") == second.usage.prompt_tokens_details.cached_tokens > 0
+    assert moved("vllm:e2e_request_latency_seconds_count") == 2
+    assert moved("vllm:time_to_first_token_seconds_count") == 2
+    assert moved("vllm:inter_token_latency_seconds_count") == \
         first.usage.completion_tokens + second.usage.completion_tokens - 2
-    finished = sum(moved("prefixcache:request_success_total", finish_reason=r) for r in ("stop", "length"))
+    finished = sum(moved("vllm:request_success_total", finished_reason=r) for r in ("stop", "length"))
     assert finished == 2
     assert moved("prefixcache:requests_total", api="openai", status="200") == 2
     assert moved("prefixcache:requests_total", api="openai", status="400") == 1
-    assert 0 < after[("prefixcache:kv_cache_usage_perc", ())] <= 1
-    assert after[("prefixcache:num_requests_waiting", ())] == 0
+    assert 0 < after[("vllm:kv_cache_usage_perc", ())] <= 1
+    assert after[("vllm:num_requests_waiting", ())] == 0
+    prompts, outputs = 2 * first.usage.prompt_tokens, first.usage.completion_tokens + second.usage.completion_tokens
+    assert moved("vllm:prompt_tokens_total") == prompts == moved("vllm:request_prompt_tokens_sum")
+    assert moved("vllm:prompt_tokens_cached_total") == second.usage.prompt_tokens_details.cached_tokens
+    assert moved("vllm:generation_tokens_total") == outputs == moved("vllm:request_generation_tokens_sum")
+    config = [labels for name, labels in after if name == "vllm:cache_config_info"]
+    assert after[("vllm:cache_config_info", (("block_size", "16"), ("cache_dtype", "float32"),
+                                             ("enable_prefix_caching", "True"),
+                                             ("num_gpu_blocks", str(srv.server.engine.pool.usable_blocks))))] == 1, config
 
 
 def test_models_and_health(srv):

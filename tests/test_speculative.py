@@ -155,7 +155,7 @@ def test_the_server_reports_accepted_drafts_and_honours_the_opt_out():
     accepted = on.usage.completion_tokens_details.accepted_prediction_tokens
     assert accepted > 0 and off.usage.completion_tokens_details.accepted_prediction_tokens == 0
     after = metrics(srv.url)
-    key = ("prefixcache:spec_decode_num_accepted_tokens_total", ())
+    key = ("vllm:spec_decode_num_accepted_tokens_total", ())
     assert after[key] - before.get(key, 0) == accepted
     msg = anthropic.Anthropic(base_url=srv.url, api_key="x").messages.create(
         model="default", max_tokens=40, messages=[{"role": "user", "content": text}],

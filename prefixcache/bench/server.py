@@ -170,17 +170,16 @@ class Servers:
 
 
 def scrape(text: str) -> dict | None:
-    """The prefixcache: figures the report uses, from a Prometheus text exposition (None: another server)."""
-    s = {"hits": 0.0, "queries": 0.0, "evictions": 0.0, "usage": 0.0}
-    found = False
-    names = {"prefixcache:prefix_cache_hits": "hits", "prefixcache:prefix_cache_queries": "queries",
-             "prefixcache:cache_evictions": "evictions", "prefixcache:kv_cache_usage_perc": "usage"}
+    """The figures the report uses, from a Prometheus text exposition under vLLM's names (ours and vLLM's), plus our
+    evictions (None where a server has no such series; None for all: a server with none of them)."""
+    s: dict[str, float | None] = {"hits": None, "queries": None, "evictions": None, "usage": None}
+    names = {"vllm:prefix_cache_hits": "hits", "vllm:prefix_cache_queries": "queries",
+             "prefixcache:cache_evictions": "evictions", "vllm:kv_cache_usage_perc": "usage"}
     for fam in text_string_to_metric_families(text):
         key = names.get(fam.name)
         if key:
-            found = True
-            s[key] += sum(sample.value for sample in fam.samples if not sample.name.endswith("_created"))
-    return s if found else None
+            s[key] = (s[key] or 0.0) + sum(sample.value for sample in fam.samples if not sample.name.endswith("_created"))
+    return s if any(v is not None for v in s.values()) else None
 
 
 class MetricsPoller:
@@ -205,7 +204,7 @@ class MetricsPoller:
             return
         self.first = self.first or s
         self.last = s
-        self.peak_usage = max(self.peak_usage, s["usage"])
+        self.peak_usage = max(self.peak_usage, s["usage"] or 0.0)
 
     async def __aenter__(self) -> "MetricsPoller":
         self._client = httpx.AsyncClient()
@@ -226,8 +225,10 @@ class MetricsPoller:
 
     def summary(self) -> dict | None:
         if not self.first:
-            return None  # not a prefixcache server (or no /metrics)
-        return {"peak_kv_usage_perc": 100 * self.peak_usage,
-                "evictions": self.last["evictions"] - self.first["evictions"],
-                "server_hit_tokens": self.last["hits"] - self.first["hits"],
-                "server_query_tokens": self.last["queries"] - self.first["queries"]}
+            return None  # no /metrics we can read
+
+        def moved(key: str) -> float | None:
+            return None if self.last[key] is None else self.last[key] - (self.first[key] or 0.0)
+
+        return {"peak_kv_usage_perc": 100 * self.peak_usage, "evictions": moved("evictions"),
+                "server_hit_tokens": moved("hits"), "server_query_tokens": moved("queries")}

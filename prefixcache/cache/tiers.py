@@ -140,6 +140,8 @@ class Tiers:
         except Exception:
             log.exception("KV tier lookup failed")
             self._count("lookup", "errors")
+        self._count("lookup", "blocks", len(wanted))
+        self._count("lookup", "found", len(found))
         return found
 
     def _lookup(self, wanted: list[Wanted], found: list[Found]) -> None:

@@ -79,7 +79,10 @@ class Server:
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.keys = Keys(cfg.api_keys) if cfg.api_keys else None
-        self.metrics = Metrics(engine.model_name)
+        self.metrics = Metrics(engine.model_name, engine.max_model_len, {
+            "block_size": str(engine.config.block_size), "cache_dtype": str(engine.pool.k.dtype).removeprefix("torch."),
+            "enable_prefix_caching": str(engine.config.enable_prefix_cache),
+            "num_gpu_blocks": str(engine.pool.usable_blocks)})
         self.limits = RateLimits()
         self.draining = False  # after SIGTERM: running requests finish, new ones get 503 (server/serve.py)
 

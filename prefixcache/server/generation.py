@@ -138,7 +138,7 @@ class Generation:
             if s.output is not None:
                 m.finish(s.output, s.token_times)
         if aborted:
-            m.success.labels(m.model_name, "abort").inc()
+            m.abort()
         if status != 200:  # errors are counted and logged where they are rendered
             return
         m.status(self.api, status)

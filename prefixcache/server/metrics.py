@@ -1,54 +1,85 @@
-"""Prometheus metrics with vLLM-style names, one CollectorRegistry per app.
+"""Prometheus metrics: vLLM's series under vLLM's names, meanings, units, buckets and labels (`model_name`,
+`engine`), so that vLLM's dashboards, its benchmark's hit-rate snapshot and gateways' endpoint pickers read a replica
+as they read vLLM; our own names (prefixcache:*) only where vLLM has no series: misses by cause, evictions by reason,
+the KV tiers, KV events, and requests by API and HTTP status. One CollectorRegistry per app.
 
-Per-request histograms and counters are observed when a request ends. Engine state (cache queries and hits,
-KV usage, evictions, queue depth) is read from an engine.stats() snapshot taken on the engine thread at
-scrape time, and exported by a collector, so the counters are the engine's own.
+Per-request histograms and counters are observed when a request ends. Engine state (cache queries and hits, KV
+usage, evictions, queue depth) is read from an engine.stats() snapshot taken on the engine thread at scrape time,
+and exported by a collector, so the counters are the engine's own.
 """
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from prefixcache.engine.sequence import RequestOutput
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ENGINE = "0"  # vLLM's engine label: one engine core per replica here
+LABELS = ["model_name", "engine"]
+# vLLM 0.32's buckets (vllm/v1/metrics/buckets.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+
+
+def token_buckets(max_model_len: int) -> list[int]:
+    """vLLM's request-token buckets: 1, 2, 5, 10, 20, 50, ... up to the context window."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class EngineCollector:
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    def __init__(self, model_name: str, block_size: int):
+        self.labels, self.block_size = [model_name, ENGINE], block_size
         self.stats: dict = {}
 
     def collect(self):
-        s, labels = self.stats, [self.model_name]
+        s, labels = self.stats, self.labels
         if not s:
             return
-        for name, doc, value in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                  s["query_tokens"]),
-                                 ("prefix_cache_hits", "Prompt tokens served from the prefix cache", s["hit_tokens"])):
-            c = CounterMetricFamily(f"prefixcache:{name}", doc, labels=["model_name"])
-            c.add_metric(labels, value)
-            yield c
+
+        def family(kind, name: str, doc: str, value: float):
+            m = kind(name, doc, labels=LABELS)
+            m.add_metric(labels, value)
+            return m
+
+        yield family(CounterMetricFamily, "vllm:prefix_cache_queries",
+                     "Prefix cache queries, in terms of number of queried tokens.", s["query_tokens"])
+        yield family(CounterMetricFamily, "vllm:prefix_cache_hits",
+                     "Prefix cache hits, in terms of number of cached tokens.", s["hit_tokens"])
+        yield family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                     s["preemptions"])
+        for name, doc in (("drafts", "Number of spec decoding drafts."),
+                          ("draft_tokens", "Number of draft tokens."),
+                          ("accepted_tokens", "Number of accepted tokens.")):
+            yield family(CounterMetricFamily, f"vllm:spec_decode_num_{name}", doc, s[f"spec_{name}"])
+        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                     s["occupancy_perc"] / 100)
+        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                     s["waiting"])
+        yield family(GaugeMetricFamily, "vllm:num_requests_running",
+                     "Number of requests in model execution batches.", s["running"])
         ev = CounterMetricFamily("prefixcache:cache_evictions", "Cache blocks removed, by reason",
                                  labels=["model_name", "reason"])
         for reason, n in s["evictions"].items():
-            ev.add_metric(labels + [reason], n)
+            ev.add_metric(labels[:1] + [reason], n)
         yield ev
-        pre = CounterMetricFamily("prefixcache:num_preemptions", "Running requests preempted for memory (recomputed "
-                                  "later)", labels=["model_name"])
-        pre.add_metric(labels, s["preemptions"])
-        yield pre
-        for name, doc in (("drafts", "Speculative drafts verified"), ("draft_tokens", "Draft tokens verified"),
-                          ("accepted_tokens", "Draft tokens accepted (output tokens that skipped a decode step)")):
-            c = CounterMetricFamily(f"prefixcache:spec_decode_num_{name}", doc, labels=["model_name"])
-            c.add_metric(labels, s[f"spec_{name}"])
-            yield c
-        yield from _tiers(s.get("tiers"), labels)
-        for name, doc, value in (("kv_cache_usage_perc", "Fraction of KV blocks in use (live or cached)",
-                                  s["occupancy_perc"] / 100),
-                                 ("num_requests_waiting", "Requests waiting for admission", s["waiting"]),
-                                 ("num_requests_running", "Requests being prefilled or decoded", s["running"])):
-            g = GaugeMetricFamily(f"prefixcache:{name}", doc, labels=["model_name"])
-            g.add_metric(labels, value)
-            yield g
+        tiers = s.get("tiers")
+        if tiers:
+            c = tiers["counts"]  # the KV tiers below host memory, vLLM's external prefix cache
+            yield family(CounterMetricFamily, "vllm:external_prefix_cache_queries", "External prefix cache queries "
+                         "from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+                         c.get("lookup_blocks", 0) * self.block_size)
+            yield family(CounterMetricFamily, "vllm:external_prefix_cache_hits", "External prefix cache hits from "
+                         "KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+                         c.get("lookup_found", 0) * self.block_size)
+        yield from _tiers(tiers, labels[:1])
 
 
 def _tiers(t: dict | None, labels: list[str]):
@@ -87,42 +118,65 @@ def _tiers(t: dict | None, labels: list[str]):
 
 
 class Metrics:
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    def __init__(self, model_name: str, max_model_len: int, cache_info: dict[str, str]):
+        """cache_info: vllm:cache_config_info's labels (block_size, the KV dtype, whether prefix caching is on)."""
+        self.labels = [model_name, ENGINE]
         self.registry = CollectorRegistry()
-        self.engine = EngineCollector(model_name)
+        self.engine = EngineCollector(model_name, int(cache_info["block_size"]))
         self.registry.register(self.engine)
-        kw = dict(labelnames=["model_name"], registry=self.registry)
-        self.ttft = Histogram("prefixcache:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
-                              **kw)
-        self.e2e = Histogram("prefixcache:e2e_request_latency_seconds", "End-to-end request latency",
+        kw = dict(labelnames=LABELS, registry=self.registry)
+        info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                     labelnames=[*cache_info, "engine"], registry=self.registry)
+        info.labels(**cache_info, engine=ENGINE).set(1)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              buckets=TTFT_BUCKETS, **kw)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              buckets=LATENCY_BUCKETS, **kw)
-        self.itl = Histogram("prefixcache:inter_token_latency_seconds", "Time between output tokens",
-                             buckets=LATENCY_BUCKETS, **kw)
-        self.success = Counter("prefixcache:request_success", "Finished requests, by finish reason",
-                               labelnames=["model_name", "finish_reason"], registry=self.registry)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             buckets=ITL_BUCKETS, **kw)
+        tokens = token_buckets(max_model_len)
+        self.request_prompt = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                        buckets=tokens, **kw)
+        self.request_generation = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                            buckets=tokens, **kw)
+        self.prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", **kw)
+        self.prompt_cached = Counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+                                     **kw)
+        self.generation = Counter("vllm:generation_tokens", "Number of generation tokens processed.", **kw)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               labelnames=[*LABELS, "finished_reason"], registry=self.registry)
         self.misses = Counter("prefixcache:prefix_cache_misses", "Requests whose cached match stopped short, by cause",
                               labelnames=["model_name", "cause"], registry=self.registry)
         self.requests = Counter("prefixcache:requests", "Completion requests answered, by API and HTTP status",
                                 labelnames=["model_name", "api", "status"], registry=self.registry)
 
     def finish(self, out: RequestOutput, token_times: list[float]) -> None:
-        """A finished sample: the first of a request counts the request; the others add inter-token latencies."""
-        m = self.model_name
+        """A finished sample: the first of a request counts the request and its prompt; every one adds its output
+        tokens and inter-token latencies."""
+        m = self.labels
         for a, b in zip(token_times, token_times[1:]):
-            self.itl.labels(m).observe(b - a)
+            self.itl.labels(*m).observe(b - a)
+        self.generation.labels(*m).inc(len(out.token_ids))
+        self.request_generation.labels(*m).observe(len(out.token_ids))
         if out.index:
             return
-        self.success.labels(m, out.finish_reason).inc()
+        self.success.labels(*m, out.finish_reason).inc()
+        self.prompt.labels(*m).inc(len(out.prompt_token_ids))
+        self.prompt_cached.labels(*m).inc(out.cached_tokens)
+        self.request_prompt.labels(*m).observe(len(out.prompt_token_ids))
         if out.miss_cause != "hit":
-            self.misses.labels(m, out.miss_cause).inc()
+            self.misses.labels(m[0], out.miss_cause).inc()
         if out.ttft is not None:
-            self.ttft.labels(m).observe(out.ttft)
+            self.ttft.labels(*m).observe(out.ttft)
         if out.latency is not None:
-            self.e2e.labels(m).observe(out.latency)
+            self.e2e.labels(*m).observe(out.latency)
+
+    def abort(self) -> None:
+        """A request that ended before its first output (a client gone, a stream cut)."""
+        self.success.labels(*self.labels, "abort").inc()
 
     def status(self, api: str, status: int) -> None:
-        self.requests.labels(self.model_name, api, str(status)).inc()
+        self.requests.labels(self.labels[0], api, str(status)).inc()
 
     def render(self, stats: dict) -> bytes:
         self.engine.stats = stats
