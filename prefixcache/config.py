@@ -61,6 +61,7 @@ class Config:
     tier_secret_file: str = ""  # the key of L2/L3 records' MACs; "": $PREFIXCACHE_TIER_SECRET, else one of this
     # replica's own (kept in the disk cache's folder, else in memory: then no other replica can read its L3 blocks)
     replica_id: str = ""  # this replica's name in KV events; "" -> hostname-pid
+    kv_events_config: str = ""  # vLLM's KV events over ZMQ, as vLLM's JSON (cache/zmq_events.py); "": none
 
     def __post_init__(self):
         assert self.attn_tile % self.block_size == 0, "attn_tile must be a multiple of block_size"

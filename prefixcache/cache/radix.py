@@ -13,7 +13,7 @@ own entries, not others' below their share), then lower priority, then least rec
 
 The cache knows scope keys, tokens and block ids, never a request. Each scope with live entries has an opaque
 owner (the engine uses tenant and labels), so that an owner's entries can be purged under every scope it wrote.
-A listener, if set, hears of every full block that enters or leaves (while its block still holds its K/V): the
+Listeners hear of every full block that enters or leaves (while its block still holds its K/V): the
 engine's tiers below host memory and KV events. NullCache stands in when caching is off.
 """
 import heapq
@@ -79,7 +79,7 @@ class PrefixCache:
         self.contents: Counter[bytes] = Counter()  # scope-free keys of live full blocks
         self.gone: OrderedDict[bytes, str] = OrderedDict()  # recently removed keys -> reason, for miss answers
         self.scopes: dict[bytes, list] = {}  # scope key -> [owner, live nodes]: bounded by the nodes
-        self.listener: Listener | None = None
+        self.listeners: list[Listener] = []
         self.shares: dict[Hashable, float] = {}  # owner group -> guaranteed fraction of the pool (set_shares)
         self.group: Callable[[Hashable], Hashable] = lambda owner: owner
 
@@ -141,8 +141,9 @@ class PrefixCache:
         parent.children[key] = node
         self.nodes[key] = node
         self.touch([node])
-        if self.listener and len(tokens) == self.bs:
-            self.listener.stored(node)
+        if len(tokens) == self.bs:
+            for listener in self.listeners:
+                listener.stored(node)
         return node, True
 
     def get(self, key: bytes) -> Node | None:
@@ -264,8 +265,9 @@ class PrefixCache:
 
     def _remove(self, node: Node, reason: str) -> int:
         assert not node.children and node.alive
-        if self.listener and len(node.tokens) == self.bs:
-            self.listener.removed(node, reason)
+        if len(node.tokens) == self.bs:
+            for listener in self.listeners:
+                listener.removed(node, reason)
         node.alive = False
         self.num_pinned -= node.pinned
         del node.parent.children[node.key]

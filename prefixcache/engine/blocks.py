@@ -10,7 +10,7 @@ import numpy as np
 
 from prefixcache.cache.policy import WritePolicy
 from prefixcache.cache.pool import KVPool
-from prefixcache.cache.radix import Match, NullCache, PrefixCache, block_key, chain_keys
+from prefixcache.cache.radix import Listener, Match, NullCache, PrefixCache, block_key, chain_keys
 from prefixcache.cache.scope import CacheScope
 from prefixcache.cache.tiers import Tiers
 from prefixcache.engine.sequence import CacheState, Sequence
@@ -45,6 +45,11 @@ class BlockManager:
 
     def attach(self, tiers: Tiers) -> None:
         self.tiering = Tiering(self, tiers)
+
+    def listen(self, listener: Listener) -> None:
+        """Tell `listener` of every full block that enters or leaves the cache (KV events)."""
+        assert self.cache.enabled, "KV events need the prefix cache"
+        self.cache.listeners.append(listener)
 
     def prefetch(self, seq: Sequence) -> None:
         """Start looking up the blocks past the request's L1 match in the tiers below (if any)."""

@@ -16,6 +16,7 @@ from prefixcache import kernels
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.pool import KVPool
 from prefixcache.cache.scope import CacheScope
+from prefixcache.cache.zmq_events import open_events
 from prefixcache.config import Config
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.detokenizer import Detokenizer
@@ -64,6 +65,12 @@ class Engine:
         self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"  # its name in KV events
         if config.disk_cache or config.redis_url:
             self.blocks.attach(open_tiers(config, c, self.replica_id))
+        self.events = open_events(config.kv_events_config, config.block_size) if config.kv_events_config else None
+        if self.events:
+            if not config.enable_prefix_cache:
+                self.events.close()
+                raise ValueError("--kv-events-config: KV events need the prefix cache")
+            self.blocks.listen(self.events)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps,
                                    config.shared_chunk)
         ops, status = _ops(config, c.head_dim)
@@ -285,9 +292,11 @@ class Engine:
         return self.blocks.clear()
 
     def close(self) -> None:
-        """Finish the tiers' queued writes and stop their threads."""
+        """Finish the tiers' queued writes and the KV events, and stop their threads."""
         if self.blocks.tiering:
             self.blocks.tiering.tiers.close()
+        if self.events:
+            self.events.close()
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)

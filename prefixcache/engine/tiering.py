@@ -59,7 +59,7 @@ class Tiering:
         self.blocks, self.tiers = blocks, tiers
         self.pool, self.cache, self.bs = blocks.pool, blocks.cache, blocks.bs
         self.loading = False  # blocks being loaded are in L3 already: no write-through
-        self.cache.listener = self
+        self.cache.listeners.append(self)
 
     # ---- cache listener -----------------------------------------------------------------------------------
     def stored(self, node: Node) -> None:
