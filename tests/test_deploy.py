@@ -292,3 +292,15 @@ def test_every_series_the_dashboard_queries_is_on_a_live_servers_metrics(tiny_mo
     assert len(queried) >= 15
     missing = {m for m in queried if not {m, re.sub(r"_(total|bucket|sum|count)$", "", m)} & families}
     assert not missing, missing
+
+
+def test_the_vllm_router_variant_routes_over_the_compose_replicas_cache_aware():
+    services = documents(COMPOSE)[0]["services"]
+    serve = {(n, parse(s["command"]).port or ServeConfig.port) for n, s in services.items()
+             if commands(s) and s["command"][1] == "serve"}
+    argv = shlex.split(services["vllm-router"]["command"][-1].split("&& exec ", 1)[1])
+    workers = argv[argv.index("--worker-urls") + 1:]
+    assert argv[0] == "vllm-router" and argv[argv.index("--policy") + 1] == "cache_aware"
+    assert {host_port(u, 80) for u in workers} == serve
+    port = argv[argv.index("--port") + 1]
+    assert services["vllm-router"]["ports"] == [f"{port}:{port}"] and services["vllm-router"]["profiles"]

@@ -16,7 +16,8 @@ MESSAGES = {"model": "default", "messages": [{"role": "user", "content": "Hi"}],
 INFORMATIONAL = {"openai": {"user": "u-1", "safety_identifier": "s-1", "metadata": {"k": "v"},
                             "service_tier": "auto", "store": False, "session_id": "s-2", "include_reasoning": False,
                             "priority": 0, "use_beam_search": False, "length_penalty": 1.0, "watermarking": False,
-                            "spaces_between_special_tokens": True},
+                            "spaces_between_special_tokens": True, "return_hidden_states": False,
+                            "separate_reasoning": True, "stream_reasoning": True},
                  "anthropic": {"metadata": {"user_id": "u-1"}, "service_tier": "auto"}}
 
 

@@ -97,6 +97,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client, offline):
                                                                        include_stop_str_in_output=True)
     assert cut.choices[0].text == text[:text.index(stop)]
     assert kept.choices[0].text == text[:text.index(stop) + len(stop)]
+    assert complete(client, max_tokens=12, stop=[stop], no_stop_trim=True).choices[0].text == kept.choices[0].text
     streamed = complete(client, max_tokens=12, stop=[stop], include_stop_str_in_output=True, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == kept.choices[0].text
 

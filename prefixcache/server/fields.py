@@ -71,6 +71,7 @@ TABLE: list[Row] = [
         "truncate_prompt_tokens": "vLLM extension, completions: keep this many prompt tokens (-1: the context "
                                   "window)",
         "truncation_side": "vLLM extension, completions: `left` (default) keeps the end, `right` the start",
+        "no_stop_trim": "SGLang extension (its gateway and vllm-router send it): as `include_stop_str_in_output`",
     }),
     *_rows("openai", IGNORED, {
         "user": "informational", "safety_identifier": "informational", "metadata": "informational",
@@ -81,6 +82,9 @@ TABLE: list[Row] = [
         "length_penalty": "vLLM extension: 1 only, it weighs beams (else 400)",
         "watermarking": "vLLM extension: false only (else 400)",
         "spaces_between_special_tokens": "vLLM extension: true only (else 400)",
+        "return_hidden_states": "SGLang extension: false only (else 400)",
+        "separate_reasoning": "SGLang extension, chat: not a reasoning model",
+        "stream_reasoning": "SGLang extension, chat: not a reasoning model",
     }),
     *_refused("openai", {
         "suffix": ("}", "completions: no fill-in-the-middle"), "functions": ([], "deprecated: use tools"),

@@ -31,6 +31,7 @@ ONE_VALUE = {  # vLLM extensions accepted at the one value that needs nothing we
     "priority": (0, "no priority scheduling"), "use_beam_search": (False, "no beam search"),
     "length_penalty": (1.0, "it weighs beam search's beams"), "watermarking": (False, "no watermarking"),
     "spaces_between_special_tokens": (True, "special tokens' text is left out of the output, or shown as decoded"),
+    "return_hidden_states": (False, "no hidden states in responses"),
 }
 
 router = APIRouter()
@@ -141,6 +142,9 @@ class Common(Strict):
     length_penalty: float | None = None  # 1 only (it weighs beams)
     watermarking: bool | None = None  # false only
     spaces_between_special_tokens: bool | None = None  # true only
+    # SGLang's, which its gateway (and vllm-router, its fork) adds to every request at these defaults
+    no_stop_trim: bool | None = None  # the stop string stays in the output: include_stop_str_in_output
+    return_hidden_states: bool | None = None  # false only
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # informational
@@ -156,7 +160,8 @@ class Common(Strict):
     cache_salt: str | None = None
     speculative: bool | None = None  # extension: false opts this request out of speculative decoding
 
-    @field_validator("priority", "use_beam_search", "length_penalty", "watermarking", "spaces_between_special_tokens")
+    @field_validator("priority", "use_beam_search", "length_penalty", "watermarking", "spaces_between_special_tokens",
+                     "return_hidden_states")
     @classmethod
     def the_one_value(cls, v, info: ValidationInfo):
         value, why = ONE_VALUE[info.field_name]
@@ -179,7 +184,8 @@ class Common(Strict):
                 stop_token_ids=self.stop_token_ids or [], speculative=self.speculative is not False,
                 ignore_eos=bool(self.ignore_eos), top_k=max(self.top_k or 0, 0), min_p=self.min_p or 0.0,
                 allowed_token_ids=self.allowed_token_ids, skip_special_tokens=self.skip_special_tokens is not False,
-                include_stop_str_in_output=bool(self.include_stop_str_in_output), **self.logprob_params())
+                include_stop_str_in_output=bool(self.include_stop_str_in_output or self.no_stop_trim),
+                **self.logprob_params())
         except ValueError as e:
             raise ApiError(400, str(e))
 
@@ -217,6 +223,8 @@ class ChatRequest(Common):
     chat_template_kwargs: dict | None = None  # vLLM extension: passed to the chat template
     echo: bool | None = None  # vLLM extension: a final assistant message's text starts the reply
     include_reasoning: bool | None = None  # informational: not a reasoning model
+    separate_reasoning: bool | None = None  # SGLang's, informational: not a reasoning model
+    stream_reasoning: bool | None = None  # SGLang's, informational: not a reasoning model
 
     @field_validator("top_logprobs")
     @classmethod

@@ -1,0 +1,82 @@
+"""Replicas behind an existing gateway: vllm-router (PyPI, the fork of SGLang's gateway that vLLM ships) with its
+cache-aware policy, in front of two real servers. It adds SGLang's fields to every request (no_stop_trim,
+return_hidden_states, ...), lists the replicas' model, and sends a prompt where its radix tree of routed text says
+the prefix went: so each prefix is prefilled once, on one replica, and hits there after."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+from server_fixtures import Pause, _start
+
+from prefixcache.config import Config
+from prefixcache.server.app import ServeConfig
+
+ROUTER = shutil.which("vllm-router", path=os.path.dirname(sys.executable))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_model, tmp_path_factory):
+    replicas = [_start(f"gateway-{i}", ServeConfig(Config(model=tiny_model, kv_cache_bytes=4 * 2**20,
+                                                          min_cache_tokens=0))) for i in range(2)]
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("gateway") / "vllm-router.log", "w")
+    proc = subprocess.Popen([ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+                             "--worker-urls", *[r.url for r in replicas]], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "vllm-router did not start"
+        time.sleep(0.2)
+    yield url, replicas
+    proc.terminate()
+    proc.wait(10)
+    log.close()
+
+
+def test_the_gateway_lists_the_replicas_model(gateway):
+    url, replicas = gateway
+    assert [m.id for m in OpenAI(base_url=f"{url}/v1", api_key="none").models.list()] == \
+        [replicas[0].server.model_name]
+
+
+def computed(replica) -> int:
+    pause = Pause(replica).held()  # the engine's counters, read between its steps
+    try:
+        return replica.server.engine.stats()["prompt_tokens_computed"]
+    finally:
+        pause.release()
+
+
+def test_a_cache_aware_gateway_sends_each_prefix_where_it_is_cached(gateway):
+    """In the order A A B B A B, round robin would send each prefix's second request to the other replica; the
+    gateway's radix tree sends it back to the first, where all but the question hits."""
+    url, replicas = gateway
+    client = OpenAI(base_url=f"{url}/v1", api_key="none")
+    prefixes = {name: f"Shared context {name}: " + " ".join(f"{name}{i}" for i in range(120)) for name in "AB"}
+    before = [computed(r) for r in replicas]
+    prompts = cached = 0
+    for turn, name in enumerate("AABBAB"):
+        chat = client.chat.completions.create(model="default", max_tokens=2, temperature=0, messages=[
+            {"role": "user", "content": f"{prefixes[name]} question {turn}?"}])
+        hit = chat.usage.prompt_tokens_details.cached_tokens
+        first = turn in (0, 2)  # at most the chat template's start and "Shared context " are cached then
+        assert hit < chat.usage.prompt_tokens / 4 if first else hit >= chat.usage.prompt_tokens - 32, (turn, hit)
+        prompts, cached = prompts + chat.usage.prompt_tokens, cached + hit
+    assert sum(computed(r) - b for r, b in zip(replicas, before)) == prompts - cached  # each token computed once
