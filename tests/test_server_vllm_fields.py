@@ -1,6 +1,7 @@
 """vLLM's request extensions through the server, with the official openai client (`extra_body`): each honoured field
 gives what the offline engine gives with the same sampling parameters or prompt, and the ones we cannot honour
 exactly are a 400 naming them."""
+import json
 import re
 
 import openai
@@ -159,3 +160,33 @@ def test_vllm_fields_beyond_their_one_value_are_a_400_saying_why(client, fields)
     with pytest.raises(openai.BadRequestError) as e:
         complete(client, **fields)
     assert re.match(rf"{next(iter(fields))}: .*only .* is supported: ", e.value.body["message"])
+
+
+def test_vllms_structured_outputs_and_guided_json_are_guides(client):
+    kw = dict(model="default", prompt=STORY, max_tokens=40, temperature=0)
+    for body, check in (({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+                        ({"structured_outputs": {"regex": "[0-9]{3}"}}, lambda t: re.fullmatch("[0-9]{3}", t)),
+                        ({"guided_json": {"enum": ["left", "right"]}}, lambda t: json.loads(t) in ("left", "right")),
+                        ({"structured_outputs": {"json": '{"type": "boolean"}'}},
+                         lambda t: isinstance(json.loads(t), bool))):
+        text = client.completions.create(**kw, extra_body=body).choices[0].text
+        assert check(text), (body, text)
+    for body, param in (({"structured_outputs": {"grammar": "root ::= \"a\""}}, "structured_outputs.grammar"),
+                        ({"guided_json": "{not json"}, "guided_json"),
+                        ({"guided_regex": "a", "structured_outputs": {"choice": ["b"]}}, "structured_outputs.choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**kw, extra_body=body)
+        assert e.value.body["message"].startswith(param) or e.value.body["param"] == param, e.value.body
+
+
+def test_return_token_ids_in_vllms_places(client, srv):
+    tok = srv.server.tokenizer
+    r = complete(client, return_token_ids=True).model_dump()
+    choice = r["choices"][0]
+    assert choice["prompt_token_ids"] == tok.encode(STORY) and tok.decode(choice["token_ids"]) == choice["text"]
+    chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, extra_body={"return_token_ids": True}).model_dump()
+    assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    with pytest.raises(openai.BadRequestError, match="not with stream"):
+        complete(client, return_token_ids=True, stream=True)

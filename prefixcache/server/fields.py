@@ -41,6 +41,10 @@ TABLE: list[Row] = [
         "response_format": "`text`, `json_object`, `json_schema`: the output follows it (xgrammar)",
         "guided_regex": "vLLM extension: the output matches the pattern",
         "guided_choice": "vLLM extension: the output is one of the strings",
+        "guided_json": "older vLLM extension: the output follows the JSON schema (an object or its text)",
+        "structured_outputs": "vLLM extension: one of `json` (a schema), `regex`, `choice`, `json_object`; its "
+                              "`grammar` and `structural_tag` are refused",
+        "return_token_ids": "vLLM extension: the prompt's and each choice's token ids (not streamed)",
         "best_of": "completions: generated, and the n with the highest cumulative logprob returned; not streamed",
         "logprobs": "chat: true or false; completions: 0 to 5. Of the raw logits (before penalties, temperature)",
         "top_logprobs": "chat: 0 to 20, with `logprobs`",
@@ -94,12 +98,9 @@ TABLE: list[Row] = [
         # vLLM's other extensions (its OpenAI protocol, 0.32)
         "bad_words": (["x"], "vLLM extension: not implemented; logit_bias bans single tokens"),
         "prompt_logprobs": (1, "vLLM extension: not implemented; completions give them with `echo` and `logprobs`"),
-        "return_token_ids": (True, "vLLM extension: not implemented"),
         "return_token_offsets": (True, "vLLM extension: not implemented"),
         "return_prompt_text": (True, "vLLM extension: not implemented"),
         "logprob_token_ids": ([5], "vLLM extension: not implemented"),
-        "structured_outputs": ({"json": {}}, "vLLM extension: not implemented; use response_format or guided_*"),
-        "guided_json": ({}, "older vLLM extension: use response_format"),
         "guided_grammar": ("root ::= \"a\"", "older vLLM extension: no grammars beyond JSON, regex and choice"),
         "documents": ([{"text": "x"}], "vLLM extension: the chat template takes no documents"),
         "chat_template": ("{{ messages }}", "vLLM extension: the model's own chat template only"),

@@ -106,6 +106,14 @@ class ResponseFormat(Strict):
         return self
 
 
+class StructuredOutputs(Strict):
+    """vLLM's structured_outputs: one of its guides (grammar and structural_tag are refused: unknown fields)."""
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    json_object: bool | None = None
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # ignored: nothing to obfuscate on a local server
@@ -135,6 +143,7 @@ class Common(Strict):
     include_stop_str_in_output: bool | None = None
     add_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None  # not streamed
     request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[\w.:-]+$")
     session_id: str | None = None  # informational
     priority: int | None = None  # 0 only
@@ -155,6 +164,8 @@ class Common(Strict):
     response_format: ResponseFormat | None = None
     guided_regex: str | None = None  # vLLM extension
     guided_choice: list[str] | None = Field(None, min_length=1)  # vLLM extension
+    guided_json: dict | str | None = None  # older vLLM extension: a JSON schema
+    structured_outputs: StructuredOutputs | None = None  # vLLM extension
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     cache_salt: str | None = None
@@ -170,6 +181,8 @@ class Common(Strict):
         return v
 
     def sampling(self, max_model_len: int) -> SamplingParams:
+        if self.return_token_ids and self.stream:
+            raise ApiError(400, "return_token_ids: not with stream", param="return_token_ids")
         max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
         if max_tokens >= max_model_len:
             raise ApiError(400, f"max_tokens must be below the context window ({max_model_len})", param="max_tokens")
@@ -195,16 +208,30 @@ class Common(Strict):
 
     def guide(self) -> Guide | None:
         rf = self.response_format if self.response_format and self.response_format.type != "text" else None
-        given = [g for g in (rf, self.guided_regex, self.guided_choice) if g is not None]
-        if len(given) > 1:
-            raise ApiError(400, "give at most one of response_format, guided_regex and guided_choice",
-                           param="response_format")
-        if rf is not None:
+        so = self.structured_outputs
+        vllm = [("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("json_object", so.json_object or None)
+                ] if so else []
+        wanted = {name: g for name, g in (
+            ("response_format", rf), ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
+            ("guided_json", self.guided_json), *((f"structured_outputs.{k}", v) for k, v in vllm)) if g is not None}
+        if len(wanted) > 1:
+            raise ApiError(400, f"give at most one guide; this request gives {', '.join(wanted)}",
+                           param=list(wanted)[1])
+        if not wanted:
+            return None
+        [(name, g)] = wanted.items()
+        kind = name.removeprefix("structured_outputs.").removeprefix("guided_")
+        if name == "response_format":
             schema = rf.json_schema
             return Guide("json_schema", json.dumps(schema.schema_)) if schema else Guide("json_object")
-        if self.guided_regex is not None:
-            return Guide("regex", self.guided_regex)
-        return Guide("choice", json.dumps(self.guided_choice)) if self.guided_choice else None
+        if kind == "json":
+            try:
+                return Guide("json_schema", json.dumps(json.loads(g) if isinstance(g, str) else g))
+            except json.JSONDecodeError:
+                raise ApiError(400, f"{name}: a JSON schema, as an object or its JSON text", param=name) from None
+        if kind == "json_object":
+            return Guide("json_object")
+        return Guide("regex", g) if kind == "regex" else Guide("choice", json.dumps(g))
 
     @property
     def salt(self) -> str:
@@ -387,7 +414,10 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
                 tokens, entries = prompt + tokens, (gen.prompt_logprobs or []) + entries
             text = prompt_text + continued + texts[out.index]
             choices.append(choice(i, text, out.finish_reason, logprobs(i, tokens, entries), calls=tool_calls(text)))
-        return JSONResponse({**base, "choices": choices, "usage": usage(gen)}, headers=gen.header())
+            if req.return_token_ids:  # vLLM's places: the prompt's per choice in completions, once in chats
+                choices[-1].update({"token_ids": out.token_ids, **({} if chat else {"prompt_token_ids": prompt})})
+        ids = {"prompt_token_ids": prompt} if chat and req.return_token_ids else {}
+        return JSONResponse({**base, **ids, "choices": choices, "usage": usage(gen)}, headers=gen.header())
 
     chunk = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
 
