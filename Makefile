@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip --disable-pip-version-check -q
 
-.PHONY: setup serve test redis bench reliability peers demo clean kernels
+.PHONY: setup serve test redis chromium bench reliability peers demo clean kernels
 
 KERNELS := prefixcache/kernels/build/sources.sha256
 
@@ -30,7 +30,7 @@ serve: setup
 demo: setup
 	$(PY) -m prefixcache.cli generate --chat "Write one sentence about caching."
 
-test: setup redis
+test: setup redis chromium
 	$(PY) -m pytest -q -x
 
 # the KV tier and router tests start their own redis-server processes on free ports
@@ -38,6 +38,12 @@ redis:
 	@command -v redis-server >/dev/null || { echo "installing redis-server (Debian package)"; \
 		apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; } || \
 		{ echo "make: redis-server is needed by the tests: install Redis 7 (apt-get install redis-server)"; exit 1; }
+
+# the operator page's test loads it in a headless browser
+chromium:
+	@command -v chromium >/dev/null || { echo "installing chromium (Debian package)"; \
+		apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } || \
+		{ echo "make: chromium is needed by tests/test_dashboard.py: apt-get install chromium"; exit 1; }
 
 bench: setup redis
 	$(PY) -m prefixcache.bench.engine

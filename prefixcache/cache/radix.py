@@ -47,6 +47,7 @@ class Node:
     priority: int = 0
     pinned: bool = False
     alive: bool = True
+    hits: int = 0  # requests that reused this block
 
 
 @dataclass
@@ -152,6 +153,37 @@ class PrefixCache:
 
     def owner(self, node: Node) -> Hashable:
         return self.scopes[node.scope][0]
+
+    def reuse(self, nodes: list[Node]) -> None:
+        """A request's match is in use: count it on each of its blocks, and touch them."""
+        for n in nodes:
+            n.hits += 1
+        self.touch(nodes)
+
+    def top(self, n: int) -> list[tuple[Hashable, Node, int]]:
+        """The n cached prefixes that saved the most prefill: (owner, its last block, tokens), by hits x tokens. A
+        prefix counts where its reuse ends: at a block reused more often than any of its children."""
+        depth: dict[bytes, int] = {}
+
+        def tokens(v: Node) -> int:  # the prefix's length, memoized up the chain
+            chain = []
+            while v.tokens and v.key not in depth:
+                chain.append(v)
+                v = v.parent
+            total = depth.get(v.key, 0) if v.tokens else 0
+            for u in reversed(chain):
+                total = depth[u.key] = total + len(u.tokens)
+            return total
+
+        ends = (v for v in self.nodes.values() if v.hits > max((c.hits for c in v.children.values()), default=0))
+        best = heapq.nlargest(n, ends, key=lambda v: v.hits * tokens(v))
+        return [(self.scopes[v.scope][0], v, depth[v.key]) for v in best]
+
+    def blocks_by_owner(self) -> Counter:
+        held: Counter = Counter()
+        for owner, live in self.scopes.values():
+            held[owner] += live
+        return held
 
     def touch(self, nodes: list[Node]) -> None:
         now = self.clock()
@@ -304,6 +336,15 @@ class NullCache:
 
     def touch(self, nodes) -> None:
         pass
+
+    def reuse(self, nodes) -> None:
+        pass
+
+    def top(self, n: int) -> list:
+        return []
+
+    def blocks_by_owner(self) -> Counter:
+        return Counter()
 
     def evict(self, n_blocks: int) -> int:
         return 0

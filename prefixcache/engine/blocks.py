@@ -93,7 +93,7 @@ class BlockManager:
                 self.pool.unref(n.block)
             return False
         fresh = self.pool.allocate(needed, m.nodes[-1].block if m.nodes else None)
-        self.cache.touch(used)
+        self.cache.reuse(used)
         if m.partial:
             self.pool.copy(m.partial.block, fresh[0])
             self.pool.unref(m.partial.block)  # the copy is ours; the source was only held for the copy

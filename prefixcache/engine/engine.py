@@ -286,6 +286,17 @@ class Engine:
         furthest over its share first; tenants without one split the rest equally."""
         self.blocks.cache.set_shares(shares, group=lambda owner: owner[0])  # owners are (tenant, labels)
 
+    def usage(self, top: int = 10) -> dict:
+        """For the operator: each tenant's cached blocks and recent engine use (tokens computed, fading over
+        USAGE_HALF_LIFE), and the cached prefixes that saved the most prefill (no token text: key, size, reuse)."""
+        held, recent = self.blocks.cache.blocks_by_owner(), self.scheduler.usage
+        tenants = sorted({t for t, _ in held} | set(recent))
+        return {"tenants": [{"tenant": t, "blocks": sum(n for (owner, _), n in held.items() if owner == t),
+                             "recent_tokens": round(recent.get(t, 0.0), 1)} for t in tenants],
+                "prefixes": [{"tenant": owner[0], "labels": list(owner[1]), "key": node.key.hex()[:16],
+                              "tokens": tokens, "hits": node.hits, "saved_tokens": node.hits * tokens}
+                             for owner, node, tokens in self.blocks.cache.top(top)]}
+
     def clear_cache(self) -> int:
         self.speculation.drafter.tables.clear()
         self.grammars.clear()

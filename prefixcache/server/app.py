@@ -17,7 +17,7 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from prefixcache.cache.policy import Breakpoint
@@ -35,6 +35,7 @@ from prefixcache.server.worker import EngineWorker
 MODEL_ALIAS = "default"
 
 log = logging.getLogger("prefixcache.request")
+DASHBOARD = os.path.join(os.path.dirname(__file__), "dashboard.html")  # GET /dashboard
 
 
 @dataclass
@@ -241,6 +242,18 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             raise ApiError(403, "/metrics needs an admin key", code="permission_denied")
         stats = await server.worker.call(lambda e: e.stats())
         return Response(server.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/cache/usage")
+    async def cache_usage(request: Request):
+        """Per-tenant figures and the most reused prefixes, for the operator's page (admin only)."""
+        if not server.auth(request).admin:
+            raise ApiError(403, "/v1/cache/usage needs an admin key", code="permission_denied")
+        return JSONResponse(await server.worker.call(lambda e: e.usage()))
+
+    @app.get("/dashboard")
+    async def dashboard():
+        """The operator's live page: static; it reads /metrics and /v1/cache/usage with the admin key it is given."""
+        return FileResponse(DASHBOARD, media_type="text/html")
 
     @app.delete("/v1/cache")
     async def purge(request: Request):
