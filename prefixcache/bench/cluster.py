@@ -4,7 +4,8 @@ Side by side in one run, on the multi-tenant workload (each tenant its own long 
 - one replica (2 threads);
 - 3 replicas (1 thread each, on this 2-core machine) behind `prefixcache route`, cache-aware;
 - the same 3 behind round-robin routing;
-- the same 3 behind round-robin with the shared L3 tier on, which lets a replica load what another computed.
+- the same 3 behind round-robin with the shared L3 tier on, which lets a replica load what another computed;
+- the same 3 behind vllm-router (an existing gateway, PyPI), cache-aware by a radix tree of the text it routed.
 The first three keep Redis for KV events only, so their hit rates show the routing alone. Replicas' caches are
 emptied (L1, L2 and L3) before each run. Prefill tokens computed (prompt minus cached tokens, summed) do not
 depend on the machine. Writes bench/results/cluster.{json,md}. Run: `make bench` or `python -m prefixcache.bench.cluster`.
@@ -14,6 +15,11 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,12 +27,39 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixcache.bench.driver import Load, Target, run
 from prefixcache.bench.report import Prices, summarize, table
 from prefixcache.bench.runs import WARMUP
-from prefixcache.bench.server import ADMIN_KEY, LocalServer, RedisProcess, ServerOptions
+from prefixcache.bench.server import ADMIN_KEY, LocalServer, RedisProcess, ServerOptions, free_port
 from prefixcache.bench.workloads import Size, multi_tenant
 from prefixcache.cache.credentials import ROUTER_ADMIN_KEY_ENV, TIER_SECRET_ENV
 from prefixcache.models.exactness import cpu_info
 
 KV_BYTES = 1 << 30
+
+
+@contextmanager
+def vllm_router(urls: list[str], log: str):
+    """vllm-router (the test extra installs it) in front of the replicas, cache-aware; yields its URL."""
+    exe = shutil.which("vllm-router", path=os.path.dirname(sys.executable))
+    assert exe, "vllm-router is not installed (pip install -e '.[test]')"
+    port = free_port()
+    with open(log, "a") as out:
+        proc = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+                                 "--worker-urls", *urls], stdout=out, stderr=subprocess.STDOUT)
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+        try:
+            while not _up(f"{url}/health"):
+                assert proc.poll() is None and time.monotonic() < deadline, f"vllm-router did not start: {log}"
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def drive(workload, target: Target, users: int) -> dict:
@@ -89,6 +122,12 @@ def main() -> None:
                     with LocalServer(opts, [], log) as router:
                         columns[name] = drive(workload, Target(name, router.url, replicas[0].keys), args.users)
                         columns[name] |= decisions(router.url)
+                if not kv:
+                    for r in replicas:
+                        r.empty_cache()
+                    with vllm_router([r.url for r in replicas], log) as url:
+                        name = "3 replicas, vllm-router cache-aware"
+                        columns[name] = drive(workload, Target(name, url, replicas[0].keys), args.users)
             finally:
                 for r in replicas:
                     r.__exit__()
