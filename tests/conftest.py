@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 import prefixcache  # noqa: F401  (sets its environment defaults, HF_HUB_OFFLINE among them, first)
+from prefixcache import LLM
 from prefixcache.config import default_model_path
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.models.loader import converted_folder
@@ -110,3 +111,22 @@ def redis_proc():
     proc = RedisProcess().start()
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_srv(tiny_model):
+    """A real server on the tiny model, no auth (server_fixtures.tiny_server)."""
+    from server_fixtures import tiny_server
+    return tiny_server(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_srv):
+    from openai import OpenAI
+    return OpenAI(base_url=f"{tiny_srv.url}/v1", api_key="none")
+
+
+@pytest.fixture(scope="module")
+def tiny_offline(tiny_model):
+    """The offline engine on the same weights, cache off: what the server's output should be."""
+    return LLM(model=tiny_model, enable_prefix_cache=False)

@@ -122,6 +122,15 @@ class Pause:
         self.go.set()
 
 
+def prompt_tokens_computed(running: Running) -> int:
+    """The engine's count of prompt tokens it computed (not served from a cache), read between its steps."""
+    pause = Pause(running).held()
+    try:
+        return running.server.engine.stats()["prompt_tokens_computed"]
+    finally:
+        pause.release()
+
+
 def until(condition, timeout: float = 30) -> None:
     """Poll a condition that the server is bound to reach; fail if it does not within the timeout."""
     deadline = time.monotonic() + timeout

@@ -175,7 +175,8 @@ def test_the_array_encoding_is_older_vllms(tiny_model, tmp_path):
             old = events(replay(tmp_path, 0, msgspec.msgpack.Decoder(OldBatch)))
         keys = {int.from_bytes(n.key[:8], "big"): n for n in llm.engine.blocks.cache.nodes.values()}
         assert isinstance(old[0], OldAllBlocksCleared) and [e.token_ids for e in stored] == [PROMPT[:16], PROMPT[16:32]]
-        assert all(e.block_hashes[0] in keys for e in stored) and stored[1].parent_block_hash == stored[0].block_hashes[0]
+        assert all(e.block_hashes[0] in keys for e in stored)
+        assert stored[1].parent_block_hash == stored[0].block_hashes[0]
     finally:
         llm.engine.close()
 
