@@ -176,3 +176,20 @@ def test_return_token_ids_in_vllms_places(tiny_client, tiny_srv):
     assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
     with pytest.raises(openai.BadRequestError, match="not with stream"):
         complete(tiny_client, return_token_ids=True, stream=True)
+
+
+def test_bad_words_are_never_completed(tiny_client, tiny_srv, tiny_offline):
+    tok = tiny_srv.server.tokenizer
+    greedy = tiny_offline.generate([STORY], SamplingParams(temperature=0, max_tokens=8)).pop()
+    word = tok.decode(greedy.token_ids[:2]).strip()  # the reply's first two tokens, as a word to ban
+    banned = [tok.encode(word, add_special_tokens=False), tok.encode(" " + word, add_special_tokens=False)]
+    r = complete(tiny_client, max_tokens=8, logprobs=0, return_tokens_as_token_ids=True, bad_words=[word])
+    ids = [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
+    assert ids != greedy.token_ids
+    assert not any(ids[i:i + len(b)] == b for b in banned for i in range(len(ids)))
+    expected = tiny_offline.generate([STORY], SamplingParams(temperature=0, max_tokens=8, bad_words=[
+        b for b in banned if len(b) == len(banned[0])])).pop()
+    assert ids == expected.token_ids
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(tiny_client, bad_words=[" "])
+    assert e.value.body["message"].startswith("bad_words")

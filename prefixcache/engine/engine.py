@@ -108,7 +108,8 @@ class Engine:
             raise ValueError(f"prompt needs {needed} KV blocks; the budget leaves {room} (pinned entries excluded)")
         vocab = self.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
+                          ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("bad_words", [t for word in params.bad_words for t in word])):
             if any(t < 0 or t >= vocab for t in ids):
                 raise ValueError(f"{name}: token ids must be in the vocabulary [0, {vocab})")
         if params.num_samples > self.config.max_num_seqs:

@@ -38,8 +38,8 @@ class Sampler:
         return token, logprobs(raw, [token], [seq.params.logprobs or 0])[0]
 
     def penalize(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-        """allowed_token_ids, logit_bias, the min_tokens mask, then repetition, frequency and presence penalties
-        (vLLM's order); the row itself if the sequence asks for none."""
+        """allowed_token_ids, logit_bias, the min_tokens mask, bad_words, then repetition, frequency and presence
+        penalties (vLLM's order); the row itself if the sequence asks for none."""
         p = seq.params
         if not p.penalized:
             return logits
@@ -53,6 +53,10 @@ class Sampler:
             row.index_put_((torch.tensor(list(p.logit_bias)),), bias, accumulate=True)
         if len(seq.output_ids) < p.min_tokens:
             row[self.eos_token_ids + p.stop_token_ids] = float("-inf")
+        out = seq.output_ids
+        for word in p.bad_words:  # its last token is banned where the output ends with the rest of it
+            if len(word) <= len(out) + 1 and out[len(out) - len(word) + 1:] == word[:-1]:
+                row[word[-1]] = float("-inf")
         if p.repetition_penalty != 1:
             seen = torch.zeros(len(row), dtype=torch.bool)
             seen[seq.tokens] = True

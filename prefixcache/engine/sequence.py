@@ -32,6 +32,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's, over output tokens: minus penalty if present
     stop_token_ids: list[int] = field(default_factory=list)  # finish (reason "stop") on any of these tokens
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may come next
+    bad_words: list[list[int]] = field(default_factory=list)  # vLLM's: token sequences the output may not complete
     skip_special_tokens: bool = True  # special tokens' text is left out of the output text
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) that ended the output stays
     logprobs: int | None = None  # None: none; k: each sampled token's logprob and the k most likely tokens
@@ -83,7 +84,7 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1 or self.frequency_penalty
-                    or self.presence_penalty or self.allowed_token_ids is not None)
+                    or self.presence_penalty or self.allowed_token_ids is not None or self.bad_words)
 
     def sample(self, i: int) -> "SamplingParams":
         """The parameters of sample i of a request: its own seed; the prompt's logprobs belong to sample 0."""

@@ -62,6 +62,8 @@ TABLE: list[Row] = [
         "ignore_eos": "vLLM extension: generate past EOS, up to max_tokens",
         "top_k": "vLLM extension: -1 or 0 off", "min_p": "vLLM extension: 0 to 1, after temperature",
         "allowed_token_ids": "vLLM extension: only these tokens may be generated",
+        "bad_words": "vLLM extension: the output never completes one of these words (each as it tokenizes, with "
+                     "and without a leading space)",
         "skip_special_tokens": "vLLM extension: default true; false shows special tokens' text",
         "include_stop_str_in_output": "vLLM extension: the stop string (or stop token's text) that ended the output "
                                       "stays in it",
@@ -96,7 +98,6 @@ TABLE: list[Row] = [
         "modalities": (["audio"], "text only"), "prediction": ({}, "no predicted outputs"),
         "reasoning_effort": ("low", "not a reasoning model"), "web_search_options": ({}, "no tools of our own"),
         # vLLM's other extensions (its OpenAI protocol, 0.32)
-        "bad_words": (["x"], "vLLM extension: not implemented; logit_bias bans single tokens"),
         "prompt_logprobs": (1, "vLLM extension: not implemented; completions give them with `echo` and `logprobs`"),
         "return_token_offsets": (True, "vLLM extension: not implemented"),
         "return_prompt_text": (True, "vLLM extension: not implemented"),

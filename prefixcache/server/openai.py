@@ -139,6 +139,7 @@ class Common(Strict):
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
     min_p: float | None = Field(None, ge=0, le=1)
     allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    bad_words: list[str] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     add_special_tokens: bool | None = None
@@ -180,7 +181,7 @@ class Common(Strict):
             raise ValueError(f"only {json.dumps(value)} is supported: {why}")
         return v
 
-    def sampling(self, max_model_len: int) -> SamplingParams:
+    def sampling(self, tokenizer, max_model_len: int) -> SamplingParams:
         if self.return_token_ids and self.stream:
             raise ApiError(400, "return_token_ids: not with stream", param="return_token_ids")
         max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
@@ -196,11 +197,24 @@ class Common(Strict):
                 repetition_penalty=self.repetition_penalty or 1.0, min_tokens=self.min_tokens or 0,
                 stop_token_ids=self.stop_token_ids or [], speculative=self.speculative is not False,
                 ignore_eos=bool(self.ignore_eos), top_k=max(self.top_k or 0, 0), min_p=self.min_p or 0.0,
-                allowed_token_ids=self.allowed_token_ids, skip_special_tokens=self.skip_special_tokens is not False,
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_word_ids(tokenizer),
+                skip_special_tokens=self.skip_special_tokens is not False,
                 include_stop_str_in_output=bool(self.include_stop_str_in_output or self.no_stop_trim),
                 **self.logprob_params())
         except ValueError as e:
             raise ApiError(400, str(e))
+
+    def bad_word_ids(self, tokenizer) -> list[list[int]]:
+        """vLLM's reading of bad_words: each word's tokens, and those of its space-prefixed form where that is another
+        word of as many tokens."""
+        out = []
+        for word in self.bad_words or []:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ApiError(400, "bad_words: every entry must tokenize to at least one token", param="bad_words")
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out += [plain] + ([spaced] if len(spaced) == len(plain) and spaced[0] != plain[0] else [])
+        return out
 
     def logprob_params(self) -> dict:
         """The request's logprobs, prompt_logprobs and best_of, as SamplingParams names them."""
@@ -363,7 +377,7 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
     server.check_model(req.model)
     rendered = req.rendered(server.tokenizer) if chat else None
     prompt = rendered.token_ids if rendered else completion_prompt(server.tokenizer, req, server.engine.max_model_len)
-    params = req.sampling(server.engine.max_model_len)
+    params = req.sampling(server.tokenizer, server.engine.max_model_len)
     gen = await server.generate(request, "openai", caller, prompt, params, req.salt,
                                 where=rendered.where if rendered else None)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
