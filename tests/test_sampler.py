@@ -122,7 +122,9 @@ def test_prompt_logprobs_recompute_cached_positions_with_the_samplers_logits(llm
     assert warm.cached_tokens == 0 and warm.miss_cause == "disabled"
     assert warm.prompt_logprobs == ref.prompt_logprobs
     assert warm.prompt_logprobs[0] is None and [lp.token for lp in warm.prompt_logprobs[1:]] == continued[1:]
-    assert warm.prompt_logprobs[-6:] == gen.logprobs
+    # the sampled ones, and each of these greedy tokens is the likeliest: rank 1
+    assert [replace(e, rank=None) for e in warm.prompt_logprobs[-6:]] == gen.logprobs
+    assert [e.rank for e in warm.prompt_logprobs[-6:]] == [1] * 6
 
 
 @pytest.mark.parametrize("cache", [True, False])

@@ -193,3 +193,23 @@ def test_bad_words_are_never_completed(tiny_client, tiny_srv, tiny_offline):
     with pytest.raises(openai.BadRequestError) as e:
         complete(tiny_client, bad_words=[" "])
     assert e.value.body["message"].startswith("bad_words")
+
+
+def test_prompt_logprobs_in_vllms_format_agree_with_echo(tiny_client):
+    r = complete(tiny_client, prompt=PROMPT, max_tokens=1, prompt_logprobs=2).model_dump()
+    got = r["choices"][0]["prompt_logprobs"]
+    echo = complete(tiny_client, prompt=PROMPT, max_tokens=1, echo=True, logprobs=2).choices[0].logprobs
+    assert len(got) == len(PROMPT) and got[0] is None
+    for i, entry in enumerate(got[1:], 1):
+        own = entry[str(PROMPT[i])]
+        assert own["logprob"] == pytest.approx(echo.token_logprobs[i], abs=1e-6)
+        better = [v for k, v in entry.items() if v["logprob"] > own["logprob"]]
+        assert own["rank"] == 1 + len(better) if len(better) < 2 else own["rank"] > 2  # the top 2 are all shown
+        assert {1, 2} <= {v["rank"] for v in entry.values()}
+    chat = tiny_client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=1, extra_body={"prompt_logprobs": 0}).model_dump()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    for body in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 1, "echo": True, "logprobs": 1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(tiny_client, **body)
+        assert e.value.body["message"].startswith("prompt_logprobs")

@@ -360,7 +360,8 @@ class Engine:
             raw = torch.log_softmax(self.runner.model.logits(hidden[i:i + rows]).float(), dim=-1)
             p = start + i + 1
             targets = seq.tokens[p:p + len(raw)]
-            seq.prompt_logprobs[p:p + len(raw)] = logprobs(raw, targets, [seq.params.prompt_logprobs] * len(raw))
+            seq.prompt_logprobs[p:p + len(raw)] = logprobs(raw, targets, [seq.params.prompt_logprobs] * len(raw),
+                                                           ranks=True)
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob) -> None:
         now = time.monotonic()

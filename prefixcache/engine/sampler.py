@@ -96,10 +96,13 @@ class Sampler:
         return probs
 
 
-def logprobs(raw: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
-    """Row i of raw [B, vocab] log-probabilities: tokens[i]'s logprob and the ks[i] most likely tokens."""
-    chosen = raw.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+def logprobs(raw: torch.Tensor, tokens: list[int], ks: list[int], ranks: bool = False) -> list[TokenLogprob]:
+    """Row i of raw [B, vocab] log-probabilities: tokens[i]'s logprob and the ks[i] most likely tokens (and its
+    rank, if asked)."""
+    chosen_t = raw.gather(1, torch.tensor(tokens)[:, None])
+    chosen = chosen_t[:, 0].tolist()
+    rank = ((raw > chosen_t).sum(1) + 1).tolist() if ranks else [None] * len(tokens)
     k = max(ks)
     top = torch.topk(raw, k) if k else None
-    return [TokenLogprob(t, lp, tuple(zip(top.indices[i, :ki].tolist(), top.values[i, :ki].tolist())) if ki else ())
-            for i, (t, lp, ki) in enumerate(zip(tokens, chosen, ks))]
+    return [TokenLogprob(t, lp, tuple(zip(top.indices[i, :ki].tolist(), top.values[i, :ki].tolist())) if ki else (),
+                         r) for i, (t, lp, ki, r) in enumerate(zip(tokens, chosen, ks, rank))]

@@ -99,6 +99,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their logprobs, best first
+    rank: int | None = None  # 1 + the tokens more likely than it (prompt logprobs only: vLLM's format shows it)
 
 
 @dataclass

@@ -45,6 +45,8 @@ TABLE: list[Row] = [
         "structured_outputs": "vLLM extension: one of `json` (a schema), `regex`, `choice`, `json_object`; its "
                               "`grammar` and `structural_tag` are refused",
         "return_token_ids": "vLLM extension: the prompt's and each choice's token ids (not streamed)",
+        "prompt_logprobs": "vLLM extension: 0 to 20, each prompt token's logprob and rank and the most likely tokens "
+                           "(the prompt is then recomputed; not streamed)",
         "best_of": "completions: generated, and the n with the highest cumulative logprob returned; not streamed",
         "logprobs": "chat: true or false; completions: 0 to 5. Of the raw logits (before penalties, temperature)",
         "top_logprobs": "chat: 0 to 20, with `logprobs`",
@@ -98,7 +100,6 @@ TABLE: list[Row] = [
         "modalities": (["audio"], "text only"), "prediction": ({}, "no predicted outputs"),
         "reasoning_effort": ("low", "not a reasoning model"), "web_search_options": ({}, "no tools of our own"),
         # vLLM's other extensions (its OpenAI protocol, 0.32)
-        "prompt_logprobs": (1, "vLLM extension: not implemented; completions give them with `echo` and `logprobs`"),
         "return_token_offsets": (True, "vLLM extension: not implemented"),
         "return_prompt_text": (True, "vLLM extension: not implemented"),
         "logprob_token_ids": ([5], "vLLM extension: not implemented"),

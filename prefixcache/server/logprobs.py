@@ -66,3 +66,13 @@ class CompletionLogprobs:
                 "top_logprobs": [e and {self.tt.text(t): _value(lp) for t, lp in (*e.top, (e.token, e.logprob))}
                                  for e in entries],
                 "text_offset": offsets}
+
+
+def prompt_logprobs(tt: TokenText, entries: list[TokenLogprob | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), {token id: {logprob, rank, decoded_token}} for
+    the most likely tokens and the prompt's own."""
+    def item(logprob: float, rank: int | None, token: int) -> dict:
+        return {"logprob": _value(logprob), "rank": rank, "decoded_token": tt.text(token)}
+
+    return [None if e is None else {**{str(t): item(lp, r, t) for r, (t, lp) in enumerate(e.top, 1)},
+                                    str(e.token): item(e.logprob, e.rank, e.token)} for e in entries]

@@ -22,7 +22,7 @@ from prefixcache.prompt import Prompt, fields, render
 from prefixcache.server.auth import Principal, client_salt, principal
 from prefixcache.server.errors import ApiError, Strict
 from prefixcache.server.generation import Generation
-from prefixcache.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs
+from prefixcache.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs, prompt_logprobs
 from prefixcache.server.tools import Holdback, ToolUse
 
 DEFAULT_MAX_TOKENS = 256
@@ -145,6 +145,7 @@ class Common(Strict):
     add_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None  # not streamed
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # not streamed
     request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[\w.:-]+$")
     session_id: str | None = None  # informational
     priority: int | None = None  # 0 only
@@ -182,8 +183,9 @@ class Common(Strict):
         return v
 
     def sampling(self, tokenizer, max_model_len: int) -> SamplingParams:
-        if self.return_token_ids and self.stream:
-            raise ApiError(400, "return_token_ids: not with stream", param="return_token_ids")
+        for name in ("return_token_ids", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) is not False and self.stream:
+                raise ApiError(400, f"{name}: not with stream", param=name)
         max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
         if max_tokens >= max_model_len:
             raise ApiError(400, f"max_tokens must be below the context window ({max_model_len})", param="max_tokens")
@@ -275,7 +277,7 @@ class ChatRequest(Common):
         return v
 
     def logprob_params(self) -> dict:
-        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None, "prompt_logprobs": self.prompt_logprobs}
 
     def rendered(self, tokenizer) -> Prompt:
         """The prompt the chat template makes of the messages and tools."""
@@ -343,7 +345,11 @@ class CompletionRequest(Common):
         return v
 
     def logprob_params(self) -> dict:
-        return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None,
+        echoed = self.logprobs if self.echo else None  # echo with logprobs gives the prompt's, in OpenAI's format
+        if echoed is not None and self.prompt_logprobs is not None:
+            raise ApiError(400, "prompt_logprobs: not with echo and logprobs, which give the prompt's logprobs",
+                           param="prompt_logprobs")
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs if echoed is None else echoed,
                 "best_of": self.best_of}
 
 
@@ -430,7 +436,11 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
             choices.append(choice(i, text, out.finish_reason, logprobs(i, tokens, entries), calls=tool_calls(text)))
             if req.return_token_ids:  # vLLM's places: the prompt's per choice in completions, once in chats
                 choices[-1].update({"token_ids": out.token_ids, **({} if chat else {"prompt_token_ids": prompt})})
+            if not chat and req.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = prompt_logprobs(tt, gen.prompt_logprobs or [])
         ids = {"prompt_token_ids": prompt} if chat and req.return_token_ids else {}
+        if chat and req.prompt_logprobs is not None:
+            ids["prompt_logprobs"] = prompt_logprobs(tt, gen.prompt_logprobs or [])
         return JSONResponse({**base, **ids, "choices": choices, "usage": usage(gen)}, headers=gen.header())
 
     chunk = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
