@@ -277,7 +277,8 @@ class ChatRequest(Common):
         return v
 
     def logprob_params(self) -> dict:
-        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None, "prompt_logprobs": self.prompt_logprobs}
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+                "prompt_logprobs": self.prompt_logprobs}
 
     def rendered(self, tokenizer) -> Prompt:
         """The prompt the chat template makes of the messages and tools."""
