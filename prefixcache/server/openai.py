@@ -21,18 +21,13 @@ from prefixcache.engine.sequence import SamplingParams, best
 from prefixcache.prompt import Prompt, fields, render
 from prefixcache.server.auth import Principal, client_salt, principal
 from prefixcache.server.errors import ApiError, Strict
+from prefixcache.server.extensions import Extensions
 from prefixcache.server.generation import Generation
 from prefixcache.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs, prompt_logprobs
 from prefixcache.server.tools import Holdback, ToolUse
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP = 4  # stop sequences, as OpenAI allows
-ONE_VALUE = {  # vLLM extensions accepted at the one value that needs nothing we lack
-    "priority": (0, "no priority scheduling"), "use_beam_search": (False, "no beam search"),
-    "length_penalty": (1.0, "it weighs beam search's beams"), "watermarking": (False, "no watermarking"),
-    "spaces_between_special_tokens": (True, "special tokens' text is left out of the output, or shown as decoded"),
-    "return_hidden_states": (False, "no hidden states in responses"),
-}
 
 router = APIRouter()
 
@@ -106,20 +101,12 @@ class ResponseFormat(Strict):
         return self
 
 
-class StructuredOutputs(Strict):
-    """vLLM's structured_outputs: one of its guides (grammar and structural_tag are refused: unknown fields)."""
-    json_: dict | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = Field(None, min_length=1)
-    json_object: bool | None = None
-
-
 class StreamOptions(Strict):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # ignored: nothing to obfuscate on a local server
 
 
-class Common(Strict):
+class Common(Extensions):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -131,31 +118,6 @@ class Common(Strict):
     logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token ids of the vocabulary
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)  # vLLM extension
-    min_tokens: int | None = Field(None, ge=0)  # vLLM extension
-    stop_token_ids: list[int] | None = None  # vLLM extension
-    # vLLM's other sampling and output extensions (server/fields.py says what each does here)
-    ignore_eos: bool | None = None
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
-    min_p: float | None = Field(None, ge=0, le=1)
-    allowed_token_ids: list[int] | None = Field(None, min_length=1)
-    bad_words: list[str] | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    add_special_tokens: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None  # not streamed
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # not streamed
-    request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[\w.:-]+$")
-    session_id: str | None = None  # informational
-    priority: int | None = None  # 0 only
-    use_beam_search: bool | None = None  # false only
-    length_penalty: float | None = None  # 1 only (it weighs beams)
-    watermarking: bool | None = None  # false only
-    spaces_between_special_tokens: bool | None = None  # true only
-    # SGLang's, which its gateway (and vllm-router, its fork) adds to every request at these defaults
-    no_stop_trim: bool | None = None  # the stop string stays in the output: include_stop_str_in_output
-    return_hidden_states: bool | None = None  # false only
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # informational
@@ -164,28 +126,13 @@ class Common(Strict):
     service_tier: str | None = None  # informational: one tier here
     store: bool | None = None  # informational: nothing is stored
     response_format: ResponseFormat | None = None
-    guided_regex: str | None = None  # vLLM extension
-    guided_choice: list[str] | None = Field(None, min_length=1)  # vLLM extension
-    guided_json: dict | str | None = None  # older vLLM extension: a JSON schema
-    structured_outputs: StructuredOutputs | None = None  # vLLM extension
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     cache_salt: str | None = None
     speculative: bool | None = None  # extension: false opts this request out of speculative decoding
 
-    @field_validator("priority", "use_beam_search", "length_penalty", "watermarking", "spaces_between_special_tokens",
-                     "return_hidden_states")
-    @classmethod
-    def the_one_value(cls, v, info: ValidationInfo):
-        value, why = ONE_VALUE[info.field_name]
-        if v is not None and v != value:
-            raise ValueError(f"only {json.dumps(value)} is supported: {why}")
-        return v
-
     def sampling(self, tokenizer, max_model_len: int) -> SamplingParams:
-        for name in ("return_token_ids", "prompt_logprobs"):
-            if getattr(self, name) is not None and getattr(self, name) is not False and self.stream:
-                raise ApiError(400, f"{name}: not with stream", param=name)
+        self.refuse_unstreamable()
         max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
         if max_tokens >= max_model_len:
             raise ApiError(400, f"max_tokens must be below the context window ({max_model_len})", param="max_tokens")
@@ -196,27 +143,10 @@ class Common(Strict):
                 temperature=temperature, top_p=self.top_p or 1.0, max_tokens=max_tokens, stop=[s for s in stop if s],
                 seed=self.seed, guide=self.guide(), n=self.n or 1, logit_bias=self.logit_bias or {},
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=self.repetition_penalty or 1.0, min_tokens=self.min_tokens or 0,
-                stop_token_ids=self.stop_token_ids or [], speculative=self.speculative is not False,
-                ignore_eos=bool(self.ignore_eos), top_k=max(self.top_k or 0, 0), min_p=self.min_p or 0.0,
-                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_word_ids(tokenizer),
-                skip_special_tokens=self.skip_special_tokens is not False,
-                include_stop_str_in_output=bool(self.include_stop_str_in_output or self.no_stop_trim),
+                speculative=self.speculative is not False, **self.extension_params(tokenizer),
                 **self.logprob_params())
         except ValueError as e:
             raise ApiError(400, str(e))
-
-    def bad_word_ids(self, tokenizer) -> list[list[int]]:
-        """vLLM's reading of bad_words: each word's tokens, and those of its space-prefixed form where that is another
-        word of as many tokens."""
-        out = []
-        for word in self.bad_words or []:
-            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            if not plain:
-                raise ApiError(400, "bad_words: every entry must tokenize to at least one token", param="bad_words")
-            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            out += [plain] + ([spaced] if len(spaced) == len(plain) and spaced[0] != plain[0] else [])
-        return out
 
     def logprob_params(self) -> dict:
         """The request's logprobs, prompt_logprobs and best_of, as SamplingParams names them."""
@@ -224,12 +154,7 @@ class Common(Strict):
 
     def guide(self) -> Guide | None:
         rf = self.response_format if self.response_format and self.response_format.type != "text" else None
-        so = self.structured_outputs
-        vllm = [("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("json_object", so.json_object or None)
-                ] if so else []
-        wanted = {name: g for name, g in (
-            ("response_format", rf), ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
-            ("guided_json", self.guided_json), *((f"structured_outputs.{k}", v) for k, v in vllm)) if g is not None}
+        wanted = {"response_format": rf, **self.extension_guides()} if rf else self.extension_guides()
         if len(wanted) > 1:
             raise ApiError(400, f"give at most one guide; this request gives {', '.join(wanted)}",
                            param=list(wanted)[1])
