@@ -184,7 +184,8 @@ def test_the_array_encoding_is_older_vllms(tiny_model, tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"endpont": "tcp://*:1"}, "unknown key 'endpont'"),
     ({"publisher": "kafka"}, "publisher must be 'zmq' or 'null'"),
-    ({"buffer_steps": "many"}, "buffer_steps must be a int"),
+    ({"buffer_steps": "many"}, "buffer_steps must be an integer"),
+    ({"include_token_ids": 1}, "include_token_ids must be true or false"),
     ({"event_encoding": "json"}, "event_encoding must be 'map' or 'array'"),
 ])
 def test_a_bad_kv_events_config_fails_startup_naming_the_key(tiny_model, tmp_path, change, message):

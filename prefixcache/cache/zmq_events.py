@@ -28,6 +28,7 @@ from prefixcache.cache.radix import Node
 INTERVAL = 0.01  # seconds between batches
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # ends a replay
 MEDIUM = "CPU"  # vLLM's medium for blocks in host memory: our L1
+KINDS = {bool: "true or false", int: "an integer", str: "a string"}  # the config's values
 
 
 class BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
@@ -83,10 +84,10 @@ class EventsConfig:
         for key, value in raw.items():
             if key not in known:
                 raise ValueError(f"--kv-events-config: unknown key {key!r} (known: {', '.join(known)})")
-            kind = {bool: bool, int: int, str: str}.get(type(known[key].default), str)
-            if not (isinstance(value, kind) and not (kind is int and isinstance(value, bool))) and \
-                    not (value is None and known[key].default is None):
-                raise ValueError(f"--kv-events-config: {key} must be a {kind.__name__}, got {value!r}")
+            default = known[key].default
+            kind = str if default is None else type(default)  # the optional endpoint: a string or null
+            if type(value) is not kind and not (value is None and default is None):  # exact: true is no integer
+                raise ValueError(f"--kv-events-config: {key} must be {KINDS[kind]}, got {value!r}")
         cfg = cls(**raw)
         if cfg.publisher not in ("zmq", "null"):
             raise ValueError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {cfg.publisher!r}")
