@@ -50,21 +50,21 @@ class EngineCollector:
             return m
 
         yield family(CounterMetricFamily, "vllm:prefix_cache_queries",
-                     "Prefix cache queries, in terms of number of queried tokens.", s["query_tokens"])
+                     "Prompt tokens looked up in the prefix cache", s["query_tokens"])
         yield family(CounterMetricFamily, "vllm:prefix_cache_hits",
-                     "Prefix cache hits, in terms of number of cached tokens.", s["hit_tokens"])
-        yield family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                     s["preemptions"])
-        for name, doc in (("drafts", "Number of spec decoding drafts."),
-                          ("draft_tokens", "Number of draft tokens."),
-                          ("accepted_tokens", "Number of accepted tokens.")):
+                     "Prompt tokens found in the prefix cache", s["hit_tokens"])
+        yield family(CounterMetricFamily, "vllm:num_preemptions",
+                     "Running requests preempted for memory (recomputed later)", s["preemptions"])
+        for name, doc in (("drafts", "Speculative drafts verified"),
+                          ("draft_tokens", "Draft tokens verified"),
+                          ("accepted_tokens", "Draft tokens accepted")):
             yield family(CounterMetricFamily, f"vllm:spec_decode_num_{name}", doc, s[f"spec_{name}"])
-        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                     s["occupancy_perc"] / 100)
-        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
+                     "Fraction of KV blocks in use, live or cached (1: all)", s["occupancy_perc"] / 100)
+        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting for admission",
                      s["waiting"])
         yield family(GaugeMetricFamily, "vllm:num_requests_running",
-                     "Number of requests in model execution batches.", s["running"])
+                     "Requests being prefilled or decoded", s["running"])
         ev = CounterMetricFamily("prefixcache:cache_evictions", "Cache blocks removed, by reason",
                                  labels=["model_name", "reason"])
         for reason, n in s["evictions"].items():
@@ -73,11 +73,11 @@ class EngineCollector:
         tiers = s.get("tiers")
         if tiers:
             c = tiers["counts"]  # the KV tiers below host memory, vLLM's external prefix cache
-            yield family(CounterMetricFamily, "vllm:external_prefix_cache_queries", "External prefix cache queries "
-                         "from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+            yield family(CounterMetricFamily, "vllm:external_prefix_cache_queries", "Prompt tokens looked up in the "
+                         "KV tiers below memory (L2 disk, L3 Redis)",
                          c.get("lookup_blocks", 0) * self.block_size)
-            yield family(CounterMetricFamily, "vllm:external_prefix_cache_hits", "External prefix cache hits from "
-                         "KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+            yield family(CounterMetricFamily, "vllm:external_prefix_cache_hits", "Prompt tokens found in the KV "
+                         "tiers below memory",
                          c.get("lookup_found", 0) * self.block_size)
         yield from _tiers(tiers, labels[:1])
 
@@ -125,25 +125,25 @@ class Metrics:
         self.engine = EngineCollector(model_name, int(cache_info["block_size"]))
         self.registry.register(self.engine)
         kw = dict(labelnames=LABELS, registry=self.registry)
-        info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+        info = Gauge("vllm:cache_config_info", "The KV cache's configuration, as labels (the value is 1)",
                      labelnames=[*cache_info, "engine"], registry=self.registry)
         info.labels(**cache_info, engine=ENGINE).set(1)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              buckets=TTFT_BUCKETS, **kw)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             buckets=LATENCY_BUCKETS, **kw)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Seconds from a request's arrival to its first output token", buckets=TTFT_BUCKETS, **kw)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "Seconds from a request's arrival to its last output token", buckets=LATENCY_BUCKETS, **kw)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Seconds between a request's output tokens",
                              buckets=ITL_BUCKETS, **kw)
         tokens = token_buckets(max_model_len)
-        self.request_prompt = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+        self.request_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens of each request",
                                         buckets=tokens, **kw)
-        self.request_generation = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+        self.request_generation = Histogram("vllm:request_generation_tokens", "Output tokens of each sample",
                                             buckets=tokens, **kw)
-        self.prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", **kw)
-        self.prompt_cached = Counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
-                                     **kw)
-        self.generation = Counter("vllm:generation_tokens", "Number of generation tokens processed.", **kw)
-        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+        self.prompt = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", **kw)
+        self.prompt_cached = Counter("vllm:prompt_tokens_cached",
+                                     "Prompt tokens served from a cache, in memory or below", **kw)
+        self.generation = Counter("vllm:generation_tokens", "Output tokens generated", **kw)
+        self.success = Counter("vllm:request_success", "Finished requests, by finish reason",
                                labelnames=[*LABELS, "finished_reason"], registry=self.registry)
         self.misses = Counter("prefixcache:prefix_cache_misses", "Requests whose cached match stopped short, by cause",
                               labelnames=["model_name", "cause"], registry=self.registry)
