@@ -2,52 +2,22 @@
 cache-aware policy, in front of two real servers. It adds SGLang's fields to every request (no_stop_trim,
 return_hidden_states, ...), lists the replicas' model, and sends a prompt where its radix tree of routed text says
 the prefix went: so each prefix is prefilled once, on one replica, and hits there after."""
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
-
-import httpx
 import pytest
 from openai import OpenAI
 from server_fixtures import _start, prompt_tokens_computed
 
+from prefixcache.bench.cluster import vllm_router
 from prefixcache.config import Config
 from prefixcache.server.app import ServeConfig
-
-ROUTER = shutil.which("vllm-router", path=os.path.dirname(sys.executable))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def gateway(tiny_model, tmp_path_factory):
     replicas = [_start(f"gateway-{i}", ServeConfig(Config(model=tiny_model, kv_cache_bytes=4 * 2**20,
                                                           min_cache_tokens=0))) for i in range(2)]
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("gateway") / "vllm-router.log", "w")
-    proc = subprocess.Popen([ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-                             "--worker-urls", *[r.url for r in replicas]], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "vllm-router did not start"
-        time.sleep(0.2)
-    yield url, replicas
-    proc.terminate()
-    proc.wait(10)
-    log.close()
+    log = str(tmp_path_factory.mktemp("gateway") / "vllm-router.log")
+    with vllm_router([r.url for r in replicas], log) as url:
+        yield url, replicas
 
 
 def test_the_gateway_lists_the_replicas_model(gateway):

@@ -65,11 +65,10 @@ class Engine:
         self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"  # its name in KV events
         if config.disk_cache or config.redis_url:
             self.blocks.attach(open_tiers(config, c, self.replica_id))
+        if config.kv_events_config and not config.enable_prefix_cache:
+            raise ValueError("--kv-events-config: KV events need the prefix cache")
         self.events = open_events(config.kv_events_config, config.block_size) if config.kv_events_config else None
         if self.events:
-            if not config.enable_prefix_cache:
-                self.events.close()
-                raise ValueError("--kv-events-config: KV events need the prefix cache")
             self.blocks.listen(self.events)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps,
                                    config.shared_chunk)
@@ -382,9 +381,10 @@ class Engine:
         stops = p.stop if len(seq.output_ids) >= p.min_tokens else []
         since = len(text) - len(new) - max(map(len, stops), default=0) + 1  # only new text can complete a stop
         # the earliest stop string in the text, the longest of those that start there
-        stop_at, length = min(((i, -len(s)) for s in stops if (i := text.find(s, max(since, 0))) >= 0),
-                              default=(-1, 0))
-        seq.text = text[:stop_at - length * p.include_stop_str_in_output] if stop_at >= 0 else text
+        stop_at, stop = min(((i, s) for s in stops if (i := text.find(s, max(since, 0))) >= 0),
+                            key=lambda f: (f[0], -len(f[1])), default=(-1, ""))
+        keep = len(stop) if p.include_stop_str_in_output else 0
+        seq.text = text[:stop_at + keep] if stop_at >= 0 else text
         if stop_token or stop_at >= 0:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len:

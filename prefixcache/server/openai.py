@@ -353,6 +353,7 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
 
     if not req.stream:
         texts = await gen.texts()
+        prompt_lps = prompt_logprobs(tt, gen.prompt_logprobs or []) if req.prompt_logprobs is not None else None
         choices = []
         for i, out in enumerate(best(gen.outputs, params.n)):
             tokens, entries = out.token_ids, out.logprobs or []
@@ -362,11 +363,11 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
             choices.append(choice(i, text, out.finish_reason, logprobs(i, tokens, entries), calls=tool_calls(text)))
             if req.return_token_ids:  # vLLM's places: the prompt's per choice in completions, once in chats
                 choices[-1].update({"token_ids": out.token_ids, **({} if chat else {"prompt_token_ids": prompt})})
-            if not chat and req.prompt_logprobs is not None:
-                choices[-1]["prompt_logprobs"] = prompt_logprobs(tt, gen.prompt_logprobs or [])
+            if not chat and prompt_lps is not None:
+                choices[-1]["prompt_logprobs"] = prompt_lps
         ids = {"prompt_token_ids": prompt} if chat and req.return_token_ids else {}
-        if chat and req.prompt_logprobs is not None:
-            ids["prompt_logprobs"] = prompt_logprobs(tt, gen.prompt_logprobs or [])
+        if chat and prompt_lps is not None:
+            ids["prompt_logprobs"] = prompt_lps
         return JSONResponse({**base, **ids, "choices": choices, "usage": usage(gen)}, headers=gen.header())
 
     chunk = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
