@@ -68,16 +68,17 @@ def served(tiny_model, tmp_path):
     assert proc.wait(30) == 0  # SIGTERM: a clean exit
 
 
-@pytest.mark.parametrize("grace, finished", [("30", True), ("0.5", False)])
-def test_sigterm_drains_running_requests_within_the_grace_period(tmp_path, grace, finished):
+@pytest.mark.parametrize("grace, finished, tokens", [("30", True, 150), ("0.5", False, 4000)])
+def test_sigterm_drains_running_requests_within_the_grace_period(tmp_path, grace, finished, tokens):
     """SIGTERM mid-stream: /health turns 503 "draining" and a new request gets a 503 with Retry-After in its API's
     format (a router retries it elsewhere), while the running stream ends normally within --grace-seconds, or is cut
-    when that is shorter; either way the server exits 0. (The default model: its 150 tokens take seconds.)"""
+    when that is shorter; either way the server exits 0. (The default model: 150 tokens take a second or more, and
+    4,000 take far longer than half a second even on the compiled kernels.)"""
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk": {"tenant": "a"}}))
     url, proc = _serve(keys, "--grace-seconds", grace)
-    body = {"model": "default", "prompt": "Once upon a time, in a city by the sea,", "max_tokens": 150,
-            "temperature": 0, "stream": True}
+    body = {"model": "default", "prompt": "Once upon a time, in a city by the sea,", "max_tokens": tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True}
     events, refused = [], []
     with httpx.Client(base_url=url, timeout=60, headers={"Authorization": "Bearer sk"}) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
