@@ -125,6 +125,11 @@ def test_events_and_router_keys_agree_and_stay_per_tenant(tiny_model, redis_proc
     assert set(mine["keys"]) <= stored  # the keys the router will ask about are the ones announced
     assert not set(theirs["keys"]) & stored
     assert httpx.get(f"{srv.url}/health", headers=ADMIN).json()["replica_id"] == "events"
+    # a completion's keys: its prompt's blocks, the prefix of the same text with one more block
+    text = long_system("events")
+    short, longer = (keys("sk-a", "/v1/completions", {"model": "default", "prompt": text[:n]}).json()["keys"]
+                     for n in (len(text) // 2, len(text)))
+    assert short and longer[:len(short)] == short and len(longer) > len(short)
 
 
 def test_redis_with_a_password_serves_the_replicas_that_have_it(tiny_model, tmp_path, monkeypatch):

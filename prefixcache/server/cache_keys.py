@@ -35,7 +35,7 @@ async def cache_keys(request: Request, req: KeysRequest, caller: Principal = Dep
             prompt, salt = chat.rendered(tokenizer).token_ids, chat.salt
         else:
             completion = CompletionRequest.model_validate(req.body)
-            prompt, salt = completion_prompt(tokenizer, completion), completion.salt
+            prompt, salt = completion_prompt(tokenizer, completion, server.engine.max_model_len), completion.salt
     except ValidationError as e:
         raise invalid([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
     scope = caller.scope(salt)
