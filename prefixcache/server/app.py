@@ -200,6 +200,10 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     async def http_error(request: Request, e: HTTPException):  # unparsable bodies, unknown paths and methods
         return await api_error(request, ApiError(e.status_code, str(e.detail)))
 
+    @app.exception_handler(Exception)
+    async def bug(request: Request, e: Exception):  # a fault of ours: a 500 in the API's format (Starlette logs it)
+        return await api_error(request, ApiError(500, f"internal error: {type(e).__name__}"))
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
         api = "anthropic" if request.url.path.startswith("/v1/messages") else "openai"
