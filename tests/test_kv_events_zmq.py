@@ -106,23 +106,31 @@ def test_the_cache_in_vllms_kv_events_live_and_replayed(tiny_model, tmp_path):
         assert [e.block_hashes[0] for e in stored] == [k for k, n in nodes.items() if n.tokens[0] in (3000, 3016)]
         assert stored[0].parent_block_hash is None and stored[1].parent_block_hash == stored[0].block_hashes[0]
         scope = nodes[stored[0].block_hashes[0]].scope.hex()
-        assert all(e.block_size == 16 and e.medium == "CPU" and e.extra_keys == [(scope,)] for e in stored)
+        assert all(e.block_size == 16 and e.medium == "GPU" and e.extra_keys == [(scope,)] for e in stored)
+        assert all(e.lora_name is None for e in stored)  # the keyless server's one tenant: any request may read them
 
         assert sub.poll(5000)  # the live stream carries the same batches
         topic, seq, payload = sub.recv_multipart()
         assert topic == b"kv" and DECODE.decode(payload).events
 
-        # another tenant's same tokens: other block hashes, another scope in extra_keys
+        # another tenant's same tokens: other block hashes, another scope in extra_keys, and an opaque lora_name
+        # (routers seed their token hashes with it), so a router never takes their blocks for anyone else's
         sent = llm.engine.events.sent
-        llm.generate([PROMPT], ONE, scope=CacheScope(tenant="globex"))
+        globex = CacheScope(tenant="globex")
+        llm.generate([PROMPT], ONE, scope=globex)
         theirs = replayed(tmp_path, sent, BlockStored, 2)
         assert [e.token_ids for e in theirs] == [e.token_ids for e in stored]
         assert not {e.block_hashes[0] for e in theirs} & set(nodes) and theirs[0].extra_keys != stored[0].extra_keys
+        tag = theirs[0].extra_keys[0][0]
+        assert tag != scope and all(e.lora_name == f"scope:{tag}" for e in theirs)
+        sent = llm.engine.events.sent  # the declared shared scope is public again
+        llm.generate([PROMPT[::-1]], ONE, scope=globex.shared)
+        assert all(e.lora_name is None for e in replayed(tmp_path, sent, BlockStored, 2))
 
         sent = llm.engine.events.sent
         freed = llm.engine.clear_cache()
-        removed = [e.block_hashes[0] for e in replayed(tmp_path, sent, BlockRemoved, 4)]
-        assert len(removed) == 4 <= freed and set(nodes) <= set(removed)
+        removed = [e.block_hashes[0] for e in replayed(tmp_path, sent, BlockRemoved, 6)]  # three prompts' two blocks
+        assert len(removed) == 6 <= freed and set(nodes) <= set(removed)
     finally:
         llm.engine.close()
         sub.disable_monitor()

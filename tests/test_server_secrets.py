@@ -38,6 +38,16 @@ def test_lookup(tmp_path):
     assert keys.lookup("sk-c") is None and keys.lookup("") is None and keys.lookup("sk-a ") is None
 
 
+@pytest.mark.parametrize("tenant", ["local", "*shared*"])
+def test_reserved_tenant_names_are_refused(tmp_path, tenant):
+    """'local' is the keyless server's tenant and '*shared*' the shared scope: a keys-file tenant by either name
+    would read, or publish as public, entries that are not its own."""
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"sk-a": {"tenant": "a"}, "sk-b": {"tenant": tenant}}))
+    with pytest.raises(ValueError, match="reserved"):
+        Keys(str(path))
+
+
 def _serve(keys, *args: str) -> tuple[str, subprocess.Popen]:
     """`prefixcache serve` as its own process (signals go to its main thread), once it answers."""
     with socket.socket() as s:

@@ -5,11 +5,13 @@ from functools import cached_property
 import xxhash
 
 SHARED_TENANT = "*shared*"
+LOCAL_TENANT = "local"  # the one tenant of a server without API keys
+PUBLIC_OWNERS = {(SHARED_TENANT, ()), (LOCAL_TENANT, ())}  # owners whose entries any request of the server may read
 
 
 @dataclass(frozen=True)
 class CacheScope:
-    tenant: str = "local"
+    tenant: str = LOCAL_TENANT
     labels: tuple[str, ...] = ()  # permission set, security tier, ...
     fingerprint: str = ""  # the weights and the arithmetic that runs them (Engine.fingerprint); the engine fills it in
     adapter: str = ""

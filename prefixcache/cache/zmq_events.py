@@ -5,8 +5,13 @@ msgpack KVEventBatch], and an optional ROUTER socket replays the batches it stil
 The structs below are vLLM 0.32's (vllm/distributed/kv_events.py): a batch is a positional array [ts, events,
 data_parallel_rank]; each event is a map tagged with "type" (BlockStored, BlockRemoved, AllBlocksCleared). Block
 hashes are our block keys (16 bytes: opaque to consumers, chained from the cache scope); `extra_keys` carries each
-block's scope key, so that a router that hashes tokens itself never sees one tenant's block as another's. With
-`include_token_ids` false the token ids are left out (for a bus that must not carry prompts). `event_encoding`
+block's scope key. Routers hash a block's token ids themselves (vllm-router, llm-d's kv-cache indexer) and seed that
+hash with `lora_name` alone; they do not read `extra_keys`. So a block that not every request may read (another
+tenant's, other labels' or a salted scope's) gets an opaque `lora_name` of its scope, "scope:<hex>", that no
+request names: such routers then never predict, for one tenant's request, a hit on another's entries (the engine
+would refuse it, and the routing choice would tell of them). Only public blocks (the declared shared scope, or the
+one tenant of a server without keys) route by their tokens. With `include_token_ids` false the token ids are left
+out (for a bus that must not carry prompts). `event_encoding`
 "array" sends events as older vLLM did, for consumers built on it: positional arrays [tag, fields...], and block
 hashes as the unsigned 64-bit integer of the key's first 8 bytes (a router's guess may then collide, which costs a
 routing choice, never KV: the engine matches full keys and tokens).
@@ -18,16 +23,18 @@ import json
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields
 
 import msgspec
 import zmq
 
 from prefixcache.cache.radix import Node
+from prefixcache.cache.scope import PUBLIC_OWNERS
 
 INTERVAL = 0.01  # seconds between batches
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # ends a replay
-MEDIUM = "CPU"  # vLLM's medium for blocks in host memory: our L1
+MEDIUM = "GPU"  # vLLM's medium for the engine's own KV cache (its CPU backend sends it too): our L1
 KINDS = {bool: "true or false", int: "an integer", str: "a string"}  # the config's values
 
 
@@ -101,8 +108,8 @@ class EventsConfig:
 class ZmqEvents:
     """The cache listener and its publisher thread. Sockets are bound here, so a bad endpoint fails startup."""
 
-    def __init__(self, cfg: EventsConfig, block_size: int):
-        self.cfg, self.block_size = cfg, block_size
+    def __init__(self, cfg: EventsConfig, block_size: int, owner: Callable[[Node], Hashable]):
+        self.cfg, self.block_size, self.owner = cfg, block_size, owner
         self.ctx = zmq.Context.instance()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.set_hwm(cfg.hwm)
@@ -129,7 +136,9 @@ class ZmqEvents:
     def stored(self, node: Node) -> None:
         parent = node.parent.key if node.parent.tokens else None  # a first block's parent is its scope's root
         tokens = list(node.tokens) if self.cfg.include_token_ids else []
-        self._add(BlockStored([node.key], parent, tokens, self.block_size, None, MEDIUM, None, [(node.scope.hex(),)]))
+        private = None if self.owner(node) in PUBLIC_OWNERS else f"scope:{node.scope.hex()}"
+        self._add(BlockStored([node.key], parent, tokens, self.block_size, None, MEDIUM, private,
+                              [(node.scope.hex(),)]))
 
     def removed(self, node: Node, reason: str) -> None:
         self._add(BlockRemoved([node.key], MEDIUM))
@@ -187,11 +196,11 @@ class ZmqEvents:
                 sock.close(linger=0)
 
 
-def open_events(config_text: str, block_size: int) -> ZmqEvents | None:
-    """The publisher a --kv-events-config asks for (None: none, or publisher null); a ValueError says what is
-    wrong with it, or that its endpoint cannot be opened."""
+def open_events(config_text: str, block_size: int, owner: Callable[[Node], Hashable]) -> ZmqEvents | None:
+    """The publisher a --kv-events-config asks for (None: none, or publisher null); `owner` tells whose a cached
+    block is. A ValueError says what is wrong with the config, or that its endpoint cannot be opened."""
     cfg = EventsConfig.parse(config_text)
-    return ZmqEvents(cfg, block_size) if cfg.enable_kv_cache_events and cfg.publisher == "zmq" else None
+    return ZmqEvents(cfg, block_size, owner) if cfg.enable_kv_cache_events and cfg.publisher == "zmq" else None
 
 
 def _int_hashes(value):

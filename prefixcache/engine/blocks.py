@@ -4,13 +4,14 @@ It sits between the engine and the cache: the cache knows scope keys, tokens and
 """
 import dataclasses
 import math
+from collections.abc import Hashable
 from concurrent.futures import FIRST_COMPLETED, wait
 
 import numpy as np
 
 from prefixcache.cache.policy import WritePolicy
 from prefixcache.cache.pool import KVPool
-from prefixcache.cache.radix import Listener, Match, NullCache, PrefixCache, block_key, chain_keys
+from prefixcache.cache.radix import Listener, Match, Node, NullCache, PrefixCache, block_key, chain_keys
 from prefixcache.cache.scope import CacheScope
 from prefixcache.cache.tiers import Tiers
 from prefixcache.engine.sequence import CacheState, Sequence
@@ -45,6 +46,10 @@ class BlockManager:
 
     def attach(self, tiers: Tiers) -> None:
         self.tiering = Tiering(self, tiers)
+
+    def owner(self, node: Node) -> Hashable:
+        """Whose a cached block is: its scope's tenant and labels."""
+        return self.cache.owner(node)
 
     def listen(self, listener: Listener) -> None:
         """Tell `listener` of every full block that enters or leaves the cache (KV events)."""

@@ -67,7 +67,7 @@ class Engine:
             self.blocks.attach(open_tiers(config, c, self.replica_id))
         if config.kv_events_config and not config.enable_prefix_cache:
             raise ValueError("--kv-events-config: KV events need the prefix cache")
-        self.events = open_events(config.kv_events_config, config.block_size) if config.kv_events_config else None
+        self.events = open_events(config.kv_events_config, config.block_size, self.blocks.owner) if config.kv_events_config else None
         if self.events:
             self.blocks.listen(self.events)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from prefixcache.cache.scope import CacheScope
+from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT, CacheScope
 from prefixcache.server.errors import ApiError
 
 
@@ -31,7 +31,7 @@ class Principal:
         return CacheScope(tenant=self.tenant, labels=self.labels, salt=salt)
 
 
-LOCAL = Principal("local", admin=True)
+LOCAL = Principal(LOCAL_TENANT, admin=True)
 
 log = logging.getLogger("prefixcache.auth")
 
@@ -91,6 +91,10 @@ def _read(path: str) -> list[tuple[bytes, Principal]]:
         raw = json.load(f)
     entries = [(_digest(key), Principal(v["tenant"], tuple(sorted(v.get("labels", []))), bool(v.get("admin", False)),
                                         v.get("rpm"), v.get("tpm"), v.get("cache_share"))) for key, v in raw.items()]
+    reserved = {p.tenant for _, p in entries} & {LOCAL_TENANT, SHARED_TENANT}
+    if reserved:
+        raise ValueError(f"{path}: the tenant names {LOCAL_TENANT!r} and {SHARED_TENANT!r} are reserved "
+                         f"(the keyless server's tenant and the shared scope); rename {sorted(reserved)[0]!r}")
     shares = _shares(entries)
     if not all(0 < s <= 1 for s in shares.values()) or sum(shares.values()) > 1:
         raise ValueError(f"{path}: cache_share must be in (0, 1] and add up to at most 1 over tenants")
