@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=size, help="larger request bodies get 413 (default: 4M)")
     p.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish while new ones "
                    "get 503 (default: 30)")
+    p.add_argument("--metrics-port", type=int, help="a second listener that serves GET /metrics only, with no key, for "
+                   "scrapers that send none (the Inference Extension's endpoint picker); keep it off the clients' "
+                   "network (default: none)")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
 

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from server_fixtures import KEYS, main_server, until
 
+from prefixcache.bench.server import free_port
 from prefixcache.server.auth import Keys
 
 SECRET_PROMPT = "The merger code name is BLUE HERON; tell no one."
@@ -66,6 +67,38 @@ def _serve(keys, *args: str) -> tuple[str, subprocess.Popen]:
 
     until(up, timeout=120)
     return url, proc
+
+
+def test_the_metrics_port_serves_metrics_alone_without_a_key(tiny_model, tmp_path):
+    """--metrics-port: scrapers that send no key (the Inference Extension's endpoint picker) read /metrics there;
+    the API port still wants an admin key, and the metrics port serves nothing else."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk": {"tenant": "a"}}))
+    metrics_port = free_port()
+    url, proc = _serve(keys, "--model", tiny_model, "--metrics-port", str(metrics_port))
+    try:
+        scrape = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics")
+        assert scrape.status_code == 200 and "vllm:num_requests_waiting" in scrape.text
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sk"}).status_code == 403
+        for r in (httpx.get(f"http://127.0.0.1:{metrics_port}/v1/models", headers={"Authorization": "Bearer sk"}),
+                  httpx.post(f"http://127.0.0.1:{metrics_port}/v1/completions", json={"model": "default", "prompt": "a"},
+                             headers={"Authorization": "Bearer sk"}),
+                  httpx.get(f"http://127.0.0.1:{metrics_port}/health")):
+            assert r.status_code == 404 and r.json()["error"]["message"] == "the metrics port serves GET /metrics only"
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0  # both listeners close together
+
+
+def test_a_port_in_use_fails_startup_with_its_address(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "prefixcache.cli", "serve", "--port", str(free_port()),
+                               "--metrics-port", str(port)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
 
 
 @pytest.fixture
@@ -148,7 +181,6 @@ def test_cache_shares_come_from_the_keys_file_and_reload_with_it(tiny_model, tmp
     adding up to more than the whole cache are refused, and a refused file keeps the shares in force."""
     from prefixcache.config import Config
     from prefixcache.server.app import ServeConfig
-    from prefixcache.server.auth import Keys
     from server_fixtures import _start
 
     keys = tmp_path / "keys.json"

@@ -50,6 +50,7 @@ class ServeConfig:
     max_queue: int = 64  # waiting requests beyond the running batch; past it, 429 / 529
     max_body_bytes: int = 4 << 20  # larger request bodies get 413 before they are read further
     grace_seconds: float = 30.0  # on SIGTERM: new requests get 503; running ones get this long to finish
+    metrics_port: int | None = None  # a listener for GET /metrics alone, without a key (server/serve.py)
 
 
 SERVE_OPTIONS = tuple(f.name for f in fields(ServeConfig) if f.name != "engine")
@@ -134,6 +135,24 @@ class Server:
         return gen
 
 
+METRICS_PORT = "prefixcache.metrics_port"  # in a request's scope: it came in on --metrics-port
+
+
+class MetricsPort:
+    """On the metrics listener only GET /metrics is served, and without a key (the figures are server-wide, so the
+    port belongs on the operators' network, as a NetworkPolicy keeps it); anything else there is a 404."""
+
+    def __init__(self, app, port: int):
+        self.app, self.port = app, port
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or (scope.get("server") or (None, None))[1] != self.port:
+            return await self.app(scope, receive, send)
+        if scope["method"] == "GET" and scope["path"] == "/metrics":
+            return await self.app({**scope, METRICS_PORT: True}, receive, send)
+        return await ApiError(404, "the metrics port serves GET /metrics only").openai()(scope, receive, send)
+
+
 class BodyLimit:
     """Reads a request body up to `limit` bytes before the app sees it; past that, a 413 in the API's format.
     A Content-Length over the limit is refused before any of the body is read."""
@@ -187,6 +206,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="prefixcache", lifespan=lifespan)
     app.state.server = server
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
+    if cfg.metrics_port:
+        app.add_middleware(MetricsPort, port=cfg.metrics_port)
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     app.include_router(tokens.router)
@@ -242,7 +263,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     async def metrics(request: Request):
         """Server-wide figures move with every tenant's requests (hits, misses by cause, KV usage, evictions),
         so with API keys only an admin key may read them."""
-        if not server.auth(request).admin:
+        if not (request.scope.get(METRICS_PORT) or server.auth(request).admin):
             raise ApiError(403, "/metrics needs an admin key", code="permission_denied")
         stats = await server.worker.call(lambda e: e.stats())
         return Response(server.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)

@@ -7,6 +7,7 @@ routers and load balancers take the replica out; running requests go on. Once no
 stops at once, as uvicorn does.
 """
 import signal
+import socket
 import threading
 import time
 
@@ -36,7 +37,17 @@ class Draining(uvicorn.Server):
 
 
 def serve(cfg: ServeConfig) -> None:
+    """The app on its port, and on --metrics-port when given: one server, so both drain and stop together."""
+    sockets = [listen(cfg.host, port) for port in (cfg.port, cfg.metrics_port) if port]
     app = create_app(cfg)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
-                            timeout_graceful_shutdown=CUT_SECONDS)
-    Draining(config, app.state.server, cfg.grace_seconds).run()
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=CUT_SECONDS)
+    Draining(config, app.state.server, cfg.grace_seconds).run(sockets=sockets)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound listening socket; a port in use fails startup here, before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise SystemExit(f"prefixcache serve: cannot listen on {host}:{port}: {e.strerror}") from None
