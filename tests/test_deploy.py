@@ -166,7 +166,7 @@ def test_kubernetes_redis_has_a_password_and_admits_only_replicas_and_routers():
     command = redis["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("--requirepass") + 1] == f"$({REDIS_PASSWORD_ENV})"
 
-    [policy] = by_kind["NetworkPolicy"].values()
+    policy = by_kind["NetworkPolicy"]["prefixcache-redis"]
     selected = policy["spec"]["podSelector"]["matchLabels"].items()
     assert selected <= pod_labels(redis).items()
     assert not selected <= pod_labels(replicas).items() and not selected <= pod_labels(router).items()
