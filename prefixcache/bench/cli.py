@@ -1,6 +1,7 @@
-"""`prefixcache bench` (workloads cache on vs off, sweeps, plots) and `prefixcache bench compare` (several targets).
+"""`prefixcache bench` (workloads cache on vs off, sweeps, plots), `prefixcache bench compare` (several targets) and
+`prefixcache bench goodput` (SLO attainment and goodput against arrival rate, per target).
 
-Results go to bench/results/<name>/: report.json, report.md and PNGs (or compare.json, compare.md, compare.png).
+Results go to bench/results/<name>/: report.json, report.md and PNGs (or compare.*, or goodput.*).
 """
 import json
 import os
@@ -10,13 +11,14 @@ from dataclasses import asdict
 from prefixcache.bench.report import Prices, prices_note, table
 from prefixcache.bench.workloads import GENERATORS, SPECULATIVE, Size, build, multi_tenant
 from prefixcache.options import default, size
+from prefixcache.slo import Objectives
 
 QUICK_WORKLOADS = ["shared-system-prompt", "multi-tenant"]
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="workload benchmark over HTTP: cache on vs off, sweeps, plots; or compare targets")
-    p.add_argument("action", nargs="?", choices=["run", "compare"], default="run")
+    p.add_argument("action", nargs="?", choices=["run", "compare", "goodput"], default="run")
     p.add_argument("--quick", action="store_true", help="a smoke run: small prompts, few requests, < 2 minutes")
     p.add_argument("--name", default=None, help="results folder under --out (default: quick, default or compare)")
     p.add_argument("--out", default="bench/results")
@@ -38,6 +40,10 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-cache-bytes", type=size, default=default("kv_cache_bytes"),
                    help="for the servers started here (e.g. 2GiB)")
     p.add_argument("--no-sweeps", action="store_true")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="latency objectives, as vLLM's serving benchmark takes them (ttft, tpot, e2el in ms): every "
+                        "run reports goodput (req/s meeting all) and each objective's attainment")
+    p.add_argument("--rates", default="0.5,1,2,4", help="goodput: the Poisson arrival rates (req/s) to sweep")
     p.add_argument("--price-input", type=float, default=Prices.input, help="$ per million input tokens")
     p.add_argument("--price-cached", type=float, default=Prices.cached, help="$ per million cached input tokens")
     p.add_argument("--price-output", type=float, default=Prices.output, help="$ per million output tokens")
@@ -70,13 +76,17 @@ def main(args) -> None:
     folder = os.path.join(args.out, name)
     os.makedirs(folder, exist_ok=True)
     prices = Prices(args.price_input, args.price_cached, args.price_output)
+    objectives = Objectives.parse(args.goodput) if args.goodput else None
+    if args.action == "goodput" and not objectives:
+        raise ValueError("bench goodput: give the objectives, e.g. --goodput ttft:1000 tpot:200")
     names = args.workload or (QUICK_WORKLOADS if args.quick else [g for g in GENERATORS if g not in SPECULATIVE])
     workloads = [build(n, args.seed, size) for n in names]
     # every server started here knows every tenant's key, so one server serves all workloads and sweeps
     tenants = sorted({t for w in workloads for t in w.tenants} | set(multi_tenant(args.seed, size).tenants))
     servers = Servers(tenants, os.path.join(folder, "server.log"))
     bench = Bench(Load(users=args.users, rate=args.rate, seed=args.seed), prices,
-                  ServerOptions(kv_cache_bytes=args.kv_cache_bytes, min_cache_tokens=args.min_cache_tokens), servers)
+                  ServerOptions(kv_cache_bytes=args.kv_cache_bytes, min_cache_tokens=args.min_cache_tokens), servers,
+                  objectives)
     try:
         _main(args, name, folder, size, workloads, bench)
     finally:
@@ -89,11 +99,15 @@ def _main(args, name: str, folder: str, size: Size, workloads: list, bench) -> N
     from prefixcache.bench.runs import compare, measure, on_off
 
     prices = bench.prices
-    load = f"{args.rate} req/s Poisson (open loop)" if args.rate else f"{args.users} concurrent users (closed loop)"
+    load = (f"{args.rate} req/s Poisson (open loop)" if args.rate else
+            "Poisson arrivals of sessions at each rate below (open loop)" if args.action == "goodput" else
+            f"{args.users} concurrent users (closed loop)")
     setup = (f"Load: {load}, seed {args.seed}, temperature 0. Servers started here: SmolLM2-135M-Instruct, "
              f"--min-cache-tokens {args.min_cache_tokens}, --kv-cache-bytes {args.kv_cache_bytes}. {prices_note(prices)}")
     config = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "size": asdict(size),
               "prices": asdict(prices), "cpu_count": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if args.action == "goodput":
+        return goodput_sweep(args, folder, size, setup, config, bench)
     if args.action == "compare":
         if not args.target or len(workloads) != 1:
             raise ValueError("bench compare: give one --workload and at least one --target NAME=URL")
@@ -169,3 +183,39 @@ def run_sweeps(args, size: Size, bench, folder: str, sections: list[str]) -> dic
                     "tenant's prefix once plus the question and reply of each user.\n\n| budget (MB) | fraction of working set | hit rate | TTFT p50 (s) | evictions | errors |\n"
                     "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n![memory](memory_budget.png)\n")
     return out
+
+
+def goodput_sweep(args, folder: str, size: Size, setup: str, config: dict, bench) -> None:
+    """SLO attainment and goodput against Poisson arrival rate for each target (default: ours, cache on and off),
+    and the highest rate at which 90% of the requests meet every objective."""
+    from prefixcache.bench import plots, sweeps
+
+    try:
+        rates = sorted(float(r) for r in args.rates.split(","))
+    except ValueError:
+        raise ValueError(f"--rates: a comma-separated list of req/s, got {args.rates!r}") from None
+    if not rates or rates[0] <= 0:
+        raise ValueError(f"--rates: positive req/s, got {args.rates!r}")
+    if len(args.workload) > 1:
+        raise ValueError("bench goodput: give one --workload (default: shared-system-prompt)")
+    name = args.workload[0] if args.workload else "shared-system-prompt"
+    targets = [tuple(t.split("=", 1)) for t in args.target] or [("cache on", "local"), ("cache off", "local-nocache")]
+    runs = [(rate, build(name, args.seed + i, size)) for i, rate in enumerate(rates)]
+    sweep = sweeps.goodput_rates(runs, targets, bench)
+    goal = sweeps.ATTAINMENT_GOAL
+    objectives = ", ".join(f"{k} {v * 1000:g} ms" for k, v in bench.objectives.given().items())
+    title = f"{name}, {runs[0][1].num_requests} requests per rate; objectives: {objectives}"
+    plots.goodput(sweep, goal, title, os.path.join(folder, "goodput.png"))
+    head = "| target | " + " | ".join(f"{r:g} req/s" for r in rates) + f" | highest rate at {goal:.0%} |"
+    lines = [head, "|" + "---|" * (len(rates) + 2)]
+    for target, run in sweep.items():
+        cells = [f"{p['slo_attainment']:.2f} ({p['goodput_req_per_s']:.2f})" for p in run["points"]]
+        best = run["max_rate"]
+        lines.append(f"| {target} | " + " | ".join(cells) + f" | {'below the lowest' if best is None else f'{best:.2f}'} |")
+    md = (f"# Goodput: {name}\n\n{setup}\n\nObjectives (vLLM's `--goodput`): {objectives}; a request counts when it "
+          f"meets every one. Each cell: SLO attainment (goodput, req/s) at that Poisson arrival rate; a new seed per "
+          f"rate. The last column is the highest rate at which {goal:.0%} of requests meet them (DistServe's "
+          f"measure), interpolated between the tested rates.\n\n" + "\n".join(lines) + "\n\n![goodput](goodput.png)\n")
+    _write(folder, "goodput", {"config": config, "workload": name, "targets": dict(targets),
+                               "objectives": bench.objectives.given(), "goal": goal, "sweep": sweep}, md)
+    print(md)

@@ -94,3 +94,23 @@ def compare(columns: dict[str, dict], path: str) -> str:
     ax.set_ylabel("time to first token (s)")
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def goodput(sweep: dict, goal: float, title: str, path: str) -> str:
+    """SLO attainment and goodput against arrival rate, one line per target, with the attainment goal."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for name, run in sweep.items():
+        rates = [p["rate"] for p in run["points"]]
+        line, = a.plot(rates, [p["slo_attainment"] for p in run["points"]], "o-", label=name)
+        if run["max_rate"] is not None:
+            a.axvline(run["max_rate"], color=line.get_color(), linestyle=":", linewidth=1)
+        b.plot(rates, [p["goodput_req_per_s"] for p in run["points"]], "o-", color=line.get_color(), label=name)
+    a.axhline(goal, color="gray", linestyle="--", linewidth=1, label=f"goal: {goal:.0%} meet every objective")
+    a.set_ylim(0, 1.05)
+    a.set_xlabel("arrival rate (req/s, Poisson)")
+    a.set_ylabel("SLO attainment")
+    a.legend(fontsize=7)
+    b.set_xlabel("arrival rate (req/s, Poisson)")
+    b.set_ylabel("goodput (req/s)")
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)

@@ -3,6 +3,7 @@ import math
 from dataclasses import dataclass
 
 from prefixcache.bench.driver import Result
+from prefixcache.slo import Objectives
 
 
 @dataclass
@@ -55,10 +56,25 @@ def summarize(results: list[Result], wall: float, prices: Prices, server: dict |
     return s
 
 
+def goodput(results: list[Result], wall: float, objectives: Objectives) -> dict:
+    """vLLM's goodput: the requests that meet every objective, per second of the run; and the attainment of all
+    of them together and of each, over every request sent (a failed request meets none)."""
+    checks = [objectives.met(r.ttft, r.e2e, r.output_tokens) if r.ok else dict.fromkeys(objectives.given(), False)
+              for r in results]
+    n, good = len(results), sum(all(c.values()) for c in checks)
+    out = {"goodput_req_per_s": good / wall if wall else None, "slo_attainment": good / n if n else None}
+    for name in objectives.given():
+        out[f"slo_attainment_{name}"] = sum(c[name] for c in checks) / n if n else None
+    return out
+
+
 ROWS = [("TTFT p50 (s)", "ttft_p50_s", 3), ("TTFT p90 (s)", "ttft_p90_s", 3), ("TTFT p99 (s)", "ttft_p99_s", 3),
         ("e2e p50 (s)", "e2e_p50_s", 3), ("e2e p90 (s)", "e2e_p90_s", 3), ("e2e p99 (s)", "e2e_p99_s", 3),
         ("inter-token p50 (ms)", "itl_p50_s", -1), ("inter-token p99 (ms)", "itl_p99_s", -1),
         ("throughput (req/s)", "req_per_s", 3), ("output (tok/s)", "output_tok_per_s", 1),
+        ("goodput (req/s)", "goodput_req_per_s", 3), ("SLO attainment, all objectives", "slo_attainment", 3),
+        ("TTFT objective met", "slo_attainment_ttft", 3), ("TPOT objective met", "slo_attainment_tpot", 3),
+        ("e2e objective met", "slo_attainment_e2el", 3),
         ("hit rate, tokens", "hit_rate_tokens", 3), ("hit rate, mean per request", "hit_rate_requests", 3),
         ("saved input tokens", "saved_input_tokens", 0), ("prompt tokens", "prompt_tokens", 0),
         ("cost per successful task ($)", "cost_per_task_usd", 6), ("requests ok / errors", "ok", 0),

@@ -5,9 +5,10 @@ from dataclasses import dataclass, replace
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from prefixcache.bench.driver import Load, Result, Target, run
-from prefixcache.bench.report import Prices, summarize
+from prefixcache.bench.report import Prices, goodput, summarize
 from prefixcache.bench.server import ADMIN_KEY, LocalServer, MetricsPoller, ServerOptions, Servers
 from prefixcache.bench.workloads import Session, Turn, Workload
+from prefixcache.slo import Objectives
 
 WARMUP = Workload("warmup", [Session([Turn([{"role": "user", "content": "Say hello."}], 2)])])
 
@@ -20,6 +21,7 @@ class Bench:
     prices: Prices
     server: ServerOptions  # for the servers started here; sweeps and on/off vary some fields
     servers: Servers
+    objectives: Objectives | None = None  # --goodput: every run reports goodput and attainment
 
 
 def progress() -> Progress:
@@ -44,6 +46,8 @@ def measure(workload: Workload, target: Target, bench: Bench, label: str,
 
     results, wall, stats = asyncio.run(go())
     extra = {**(stats or {}), **(server.rss_mb() if server else {})}
+    if bench.objectives:
+        extra.update(goodput(results, wall, bench.objectives))
     return summarize(results, wall, bench.prices, extra), results
 
 
@@ -61,14 +65,18 @@ def on_off(workload: Workload, bench: Bench) -> dict[str, dict]:
 
 
 def compare(workload: Workload, targets: list[tuple[str, str]], bench: Bench) -> dict[str, dict]:
-    """One workload against each target in turn. A URL of `local`, `local-nocache`, `local-spec` or `hf` starts
-    that server."""
+    """One workload against each target in turn."""
     columns = {}
     for name, url in targets:
-        if url in ("local", "local-nocache", "local-spec", "hf"):
-            srv = local(bench, prefix_cache=url != "local-nocache", kind="hf" if url == "hf" else "prefixcache",
-                        speculative="both" if url == "local-spec" else "off")
-            columns[name], _ = measure(workload, Target(name, srv.url, srv.keys), bench, name, srv)
-        else:
-            columns[name], _ = measure(workload, Target(name, url.rstrip("/")), bench, name)
+        t, srv = target(name, url, bench)
+        columns[name], _ = measure(workload, t, bench, name, srv)
     return columns
+
+
+def target(name: str, url: str, bench: Bench) -> tuple[Target, LocalServer | None]:
+    """A --target: a URL of `local`, `local-nocache`, `local-spec` or `hf` starts that server here."""
+    if url in ("local", "local-nocache", "local-spec", "hf"):
+        srv = local(bench, prefix_cache=url != "local-nocache", kind="hf" if url == "hf" else "prefixcache",
+                    speculative="both" if url == "local-spec" else "off")
+        return Target(name, srv.url, srv.keys), srv
+    return Target(name, url.rstrip("/")), None

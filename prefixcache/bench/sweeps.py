@@ -1,4 +1,5 @@
-"""Sweeps: TTFT against shared-prefix length, hit rate and TTFT against arrival rate, hit rate against memory."""
+"""Sweeps: TTFT against shared-prefix length, hit rate and TTFT against arrival rate, hit rate against memory, and
+SLO attainment and goodput against arrival rate (the highest rate at which 90% of requests meet the objectives)."""
 import json
 import os
 import random
@@ -7,7 +8,7 @@ import statistics
 import httpx
 
 from prefixcache.bench.driver import Load, Target
-from prefixcache.bench.runs import Bench, local, measure
+from prefixcache.bench.runs import Bench, local, measure, target
 from prefixcache.bench.server import ADMIN_KEY
 from prefixcache.bench.workloads import Session, Size, Turn, Workload, multi_tenant, shared_system_prompt, system_prompt, text
 
@@ -85,3 +86,38 @@ def memory_budget(fractions: list[float], size: Size, seed: int, bench: Bench) -
         points.append({"fraction_of_working_set": f, "budget_mb": gb * 1024, "hit_rate_tokens": s["hit_rate_tokens"],
                        "ttft_p50_s": s["ttft_p50_s"], "evictions": s.get("evictions"), "errors": s["errors"]})
     return points
+
+
+ATTAINMENT_GOAL = 0.9  # DistServe's: the share of requests that must meet every objective
+
+
+def goodput_rates(runs: list[tuple[float, Workload]], targets: list[tuple[str, str]], bench: Bench) -> dict:
+    """Per target, an open-loop run at each (rate, workload): attainment of the objectives and goodput. Each rate
+    has a workload of its own (its own seed), so that no target starts a rate warm from the one before; a server
+    started here is emptied before each run as well."""
+    out = {}
+    for name, url in targets:
+        t, srv = target(name, url, bench)
+        points = []
+        for rate, workload in runs:
+            s, _ = measure(workload, t, bench, f"{name}, {rate:g} req/s", srv, Load(rate=rate, seed=bench.load.seed))
+            points.append({"rate": rate, **{k: v for k, v in s.items() if k.startswith(("slo_", "goodput"))},
+                           "req_per_s": s["req_per_s"], "ttft_p90_s": s["ttft_p90_s"], "errors": s["errors"]})
+        out[name] = {"points": points, "max_rate": max_rate(points)}
+    return out
+
+
+def max_rate(points: list[dict], goal: float = ATTAINMENT_GOAL) -> float | None:
+    """The highest arrival rate at which `goal` of the requests meet every objective: between the last tested rate
+    that does (as every lower one does) and the next, which does not, by linear interpolation of attainment; the
+    highest tested rate when all do (a lower bound); None when even the lowest does not."""
+    ok = None
+    for i, p in enumerate(points):
+        if p["slo_attainment"] < goal:
+            if ok is None:
+                return None
+            a, b = points[i - 1], p
+            return a["rate"] + (b["rate"] - a["rate"]) * (a["slo_attainment"] - goal) / (a["slo_attainment"] -
+                                                                                         b["slo_attainment"])
+        ok = p["rate"]
+    return ok

@@ -31,6 +31,7 @@ from prefixcache.server.generation import Generation
 from prefixcache.server.limits import RateLimits
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.worker import EngineWorker
+from prefixcache.slo import Objectives, positive_ms
 
 MODEL_ALIAS = "default"
 
@@ -51,6 +52,14 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20  # larger request bodies get 413 before they are read further
     grace_seconds: float = 30.0  # on SIGTERM: new requests get 503; running ones get this long to finish
     metrics_port: int | None = None  # a listener for GET /metrics alone, without a key (server/serve.py)
+    slo_ttft_ms: float | None = None  # objectives: /metrics counts the requests that met and missed each
+    slo_tpot_ms: float | None = None
+
+    def objectives(self) -> Objectives:
+        """The server's latency objectives; a ValueError names the one that is not a positive number."""
+        given = {name: positive_ms(str(ms), f"--slo-{name}-ms")
+                 for name, ms in (("ttft", self.slo_ttft_ms), ("tpot", self.slo_tpot_ms)) if ms is not None}
+        return Objectives(**given)
 
 
 SERVE_OPTIONS = tuple(f.name for f in fields(ServeConfig) if f.name != "engine")
@@ -84,7 +93,7 @@ class Server:
         self.metrics = Metrics(engine.model_name, engine.max_model_len, {
             "block_size": str(engine.config.block_size), "cache_dtype": str(engine.pool.k.dtype).removeprefix("torch."),
             "enable_prefix_caching": str(engine.config.enable_prefix_cache),
-            "num_gpu_blocks": str(engine.pool.usable_blocks)})
+            "num_gpu_blocks": str(engine.pool.usable_blocks)}, cfg.objectives())
         self.limits = RateLimits()
         self.draining = False  # after SIGTERM: running requests finish, new ones get 503 (server/serve.py)
 
@@ -191,6 +200,7 @@ class BodyLimit:
 def create_app(cfg: ServeConfig) -> FastAPI:
     from prefixcache.server import anthropic, cache_keys, openai, tokens
 
+    cfg.objectives()  # a bad objective fails before the model loads
     server = Server(cfg, EngineWorker(lambda: load_engine(cfg)))
 
     @asynccontextmanager

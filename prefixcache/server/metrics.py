@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from prefixcache.engine.sequence import RequestOutput
+from prefixcache.slo import Objectives
 
 ENGINE = "0"  # vLLM's engine label: one engine core per replica here
 LABELS = ["model_name", "engine"]
@@ -118,9 +119,11 @@ def _tiers(t: dict | None, labels: list[str]):
 
 
 class Metrics:
-    def __init__(self, model_name: str, max_model_len: int, cache_info: dict[str, str]):
+    def __init__(self, model_name: str, max_model_len: int, cache_info: dict[str, str],
+                 objectives: Objectives = Objectives()):
         """cache_info: vllm:cache_config_info's labels (block_size, the KV dtype, whether prefix caching is on)."""
         self.labels = [model_name, ENGINE]
+        self.objectives = objectives
         self.registry = CollectorRegistry()
         self.engine = EngineCollector(model_name, int(cache_info["block_size"]))
         self.registry.register(self.engine)
@@ -149,6 +152,12 @@ class Metrics:
                               labelnames=["model_name", "cause"], registry=self.registry)
         self.requests = Counter("prefixcache:requests", "Completion requests answered, by API and HTTP status",
                                 labelnames=["model_name", "api", "status"], registry=self.registry)
+        self.slo = Counter("prefixcache:slo_requests", "Finished requests against each latency objective the server "
+                           "was given (--slo-ttft-ms, --slo-tpot-ms; TPOT as vLLM's benchmark), met or missed",
+                           labelnames=["model_name", "objective", "result"], registry=self.registry)
+        for name in objectives.given():  # both series exist from the start, so attainment is never 0 / 0 unseen
+            for result in ("met", "missed"):
+                self.slo.labels(model_name, name, result)
 
     def finish(self, out: RequestOutput, token_times: list[float]) -> None:
         """A finished sample: the first of a request counts the request and its prompt; every one adds its output
@@ -170,6 +179,9 @@ class Metrics:
             self.ttft.labels(*m).observe(out.ttft)
         if out.latency is not None:
             self.e2e.labels(*m).observe(out.latency)
+        if out.ttft is not None and out.latency is not None:
+            for name, met in self.objectives.met(out.ttft, out.latency, len(out.token_ids)).items():
+                self.slo.labels(m[0], name, "met" if met else "missed").inc()
 
     def abort(self) -> None:
         """A request that ended before its first output (a client gone, a stream cut)."""
