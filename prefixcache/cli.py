@@ -38,7 +38,7 @@ def cmd_serve(args) -> None:
 
     engine, options = resolve(args, SERVE_OPTIONS)
     cfg = ServeConfig(Config(**engine), **options)
-    if cfg.host not in ("127.0.0.1", "localhost") and not cfg.api_keys:
+    if cfg.host not in ("127.0.0.1", "localhost") and not cfg.api_keys and not cfg.auth_oidc:
         print(f"prefixcache: warning: serving {cfg.host} without --api-keys: anyone who can reach it is admin",
               file=sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-keys", help='JSON: {"sk-key": {"tenant": "acme", "labels": [], "admin": false, "rpm": 60, '
                    '"tpm": 100000, "cache_share": 0.25}} (optional: rpm, tpm, per-tenant rate limits; cache_share, '
                    'the tenant\'s guaranteed fraction of the KV cache, evicted last)')
+    p.add_argument("--auth-oidc", help="JSON or TOML: tenants and labels from identity tokens (issuer, audience, "
+                   "jwks, tenant_claim, label_claims, labels, admin_label; see server/oidc.py), beside --api-keys")
     p.add_argument("--shared-prefixes", help="JSON list of system prompts shared by all tenants")
     p.add_argument("--max-queue", type=int, help="waiting requests before 429 / 529 (default: 64)")
     p.add_argument("--max-body-bytes", type=size, help="larger request bodies get 413 (default: 4M)")

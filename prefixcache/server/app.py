@@ -30,6 +30,7 @@ from prefixcache.server.errors import ApiError, invalid
 from prefixcache.server.generation import Generation
 from prefixcache.server.limits import RateLimits
 from prefixcache.server.metrics import Metrics
+from prefixcache.server.oidc import OidcConfig, OidcVerifier
 from prefixcache.server.worker import EngineWorker
 from prefixcache.slo import Objectives, positive_ms
 
@@ -47,6 +48,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: str | None = None  # JSON key file; None: one local tenant, no auth
+    auth_oidc: str | None = None  # OIDC config file: tenants and labels from identity tokens (server/oidc.py)
     shared_prefixes: str | None = None  # JSON list of system-prompt strings shared by all tenants
     max_queue: int = 64  # waiting requests beyond the running batch; past it, 429 / 529
     max_body_bytes: int = 4 << 20  # larger request bodies get 413 before they are read further
@@ -83,13 +85,14 @@ def load_engine(cfg: ServeConfig) -> Engine:
 
 
 class Server:
-    def __init__(self, cfg: ServeConfig, worker: EngineWorker):
+    def __init__(self, cfg: ServeConfig, worker: EngineWorker, oidc: OidcVerifier | None = None):
         self.cfg = cfg
         self.worker = worker  # attached to the event loop when the app starts
         self.engine = engine = worker.engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.keys = Keys(cfg.api_keys) if cfg.api_keys else None
+        self.oidc = oidc
         self.metrics = Metrics(engine.model_name, engine.max_model_len, {
             "block_size": str(engine.config.block_size), "cache_dtype": str(engine.pool.k.dtype).removeprefix("torch."),
             "enable_prefix_caching": str(engine.config.enable_prefix_cache),
@@ -108,7 +111,7 @@ class Server:
             self.worker.inbox.put(lambda: self.engine.set_cache_shares(shares))
 
     def auth(self, request: Request) -> Principal:
-        return authenticate(self.keys, request.headers)
+        return authenticate(self.keys, request.headers, self.oidc)
 
     def admin(self, request: Request) -> bool:
         """Whether the caller holds an admin key (always so without keys); a missing or unknown key is no error."""
@@ -200,8 +203,9 @@ class BodyLimit:
 def create_app(cfg: ServeConfig) -> FastAPI:
     from prefixcache.server import anthropic, cache_keys, openai, tokens
 
-    cfg.objectives()  # a bad objective fails before the model loads
-    server = Server(cfg, EngineWorker(lambda: load_engine(cfg)))
+    cfg.objectives()  # a bad objective or OIDC config fails before the model loads
+    oidc = OidcVerifier(OidcConfig.read(cfg.auth_oidc), cfg.auth_oidc) if cfg.auth_oidc else None
+    server = Server(cfg, EngineWorker(lambda: load_engine(cfg)), oidc)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -10,11 +10,15 @@ import hmac
 import json
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT, CacheScope
 from prefixcache.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from prefixcache.server.oidc import OidcVerifier
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,9 @@ class Keys:
 
 
 def principal(request: Request) -> Principal:
-    """FastAPI dependency: the caller, from its API key (resolved before the body is validated, so a bad key is
-    a 401 whatever the body)."""
-    return authenticate(request.app.state.server.keys, request.headers)
+    """FastAPI dependency: the caller, from its API key or identity token (resolved before the body is validated,
+    so a bad credential is a 401 whatever the body)."""
+    return request.app.state.server.auth(request)
 
 
 def client_salt(cache_salt: str | None, prompt_cache_key: str | None) -> str:
@@ -75,12 +79,16 @@ def client_salt(cache_salt: str | None, prompt_cache_key: str | None) -> str:
     return "\x1f".join(s for s in (cache_salt, prompt_cache_key) if s)
 
 
-def authenticate(keys: Keys | None, headers) -> Principal:
-    if keys is None:
+def authenticate(keys: Keys | None, headers, oidc: "OidcVerifier | None" = None) -> Principal:
+    """The caller: with neither keys nor --auth-oidc, the one local tenant; else from its credential (a bearer
+    token or x-api-key), which is an identity token (a JWT: three dot-separated parts) when OIDC is configured."""
+    if keys is None and oidc is None:
         return LOCAL
     auth = headers.get("authorization", "")
     key = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
-    principal = keys.lookup(key)
+    if oidc and key.count(".") == 2:
+        return oidc.principal(key)
+    principal = keys.lookup(key) if keys else None
     if principal is None:
         raise ApiError(401, "invalid API key" if key else "missing API key", code="invalid_api_key")
     return principal
