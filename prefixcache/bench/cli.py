@@ -5,10 +5,12 @@ Results go to bench/results/<name>/: report.json, report.md and PNGs (or compare
 """
 import json
 import os
+import sys
 import time
 from dataclasses import asdict
 
 from prefixcache.bench.report import Prices, prices_note, table
+from prefixcache.bench.trace import export_trace, load_trace
 from prefixcache.bench.workloads import GENERATORS, SPECULATIVE, Size, build, multi_tenant
 from prefixcache.options import default, size
 from prefixcache.slo import Objectives
@@ -44,6 +46,15 @@ def add_parser(sub) -> None:
                    help="latency objectives, as vLLM's serving benchmark takes them (ttft, tpot, e2el in ms): every "
                         "run reports goodput (req/s meeting all) and each objective's attainment")
     p.add_argument("--rates", default="0.5,1,2,4", help="goodput: the Poisson arrival rates (req/s) to sweep")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="replay a Mooncake-style trace (JSONL: timestamp ms, input_length, output_length, hash_ids of "
+                        "512-token blocks) instead of --workload; see bench/trace.py")
+    p.add_argument("--trace-speed", type=float, default=1.0, help="trace timestamps are divided by this")
+    p.add_argument("--trace-errors", choices=["refuse", "skip"], default="refuse",
+                   help="a malformed trace line stops the run (refuse) or is reported and left out (skip)")
+    p.add_argument("--export-trace", default=None, metavar="FILE",
+                   help="write the one --workload as a trace (hash ids from our scope-chained block keys; "
+                        "timestamps its arrivals, or Poisson at --rate, default 1/s) and exit")
     p.add_argument("--price-input", type=float, default=Prices.input, help="$ per million input tokens")
     p.add_argument("--price-cached", type=float, default=Prices.cached, help="$ per million cached input tokens")
     p.add_argument("--price-output", type=float, default=Prices.output, help="$ per million output tokens")
@@ -80,7 +91,18 @@ def main(args) -> None:
     if args.action == "goodput" and not objectives:
         raise ValueError("bench goodput: give the objectives, e.g. --goodput ttft:1000 tpot:200")
     names = args.workload or (QUICK_WORKLOADS if args.quick else [g for g in GENERATORS if g not in SPECULATIVE])
-    workloads = [build(n, args.seed, size) for n in names]
+    if args.export_trace and len(args.workload) != 1:
+        raise ValueError("bench --export-trace: give the one --workload to export")
+    if args.trace:
+        if args.workload or args.action == "goodput":
+            raise ValueError("bench --trace: the trace is the workload, with its own arrivals (no --workload, "
+                             "no goodput sweep of rates; scale its time with --trace-speed)")
+        workload, problems = load_trace(args.trace, args.trace_speed, args.trace_errors)
+        for problem in problems:
+            print(f"prefixcache bench: {args.trace}: skipped {problem}", file=sys.stderr)
+        workloads = [workload]
+    else:
+        workloads = [build(n, args.seed, size) for n in names]
     # every server started here knows every tenant's key, so one server serves all workloads and sweeps
     tenants = sorted({t for w in workloads for t in w.tenants} | set(multi_tenant(args.seed, size).tenants))
     servers = Servers(tenants, os.path.join(folder, "server.log"))
@@ -88,9 +110,21 @@ def main(args) -> None:
                   ServerOptions(kv_cache_bytes=args.kv_cache_bytes, min_cache_tokens=args.min_cache_tokens), servers,
                   objectives)
     try:
+        if args.export_trace:
+            return export(args, workloads[0], bench)
         _main(args, name, folder, size, workloads, bench)
     finally:
         servers.close()
+
+
+def export(args, workload, bench) -> None:
+    from prefixcache.bench.driver import Load, Target
+    from prefixcache.bench.runs import local
+
+    srv = local(bench, prefix_cache=True)
+    n = export_trace(workload, Target("export", srv.url, srv.keys), Load(rate=args.rate or 1.0, seed=args.seed),
+                     args.export_trace)
+    print(f"wrote {args.export_trace}: {n} requests")
 
 
 def _main(args, name: str, folder: str, size: Size, workloads: list, bench) -> None:
@@ -102,7 +136,10 @@ def _main(args, name: str, folder: str, size: Size, workloads: list, bench) -> N
     load = (f"{args.rate} req/s Poisson (open loop)" if args.rate else
             "Poisson arrivals of sessions at each rate below (open loop)" if args.action == "goodput" else
             f"{args.users} concurrent users (closed loop)")
-    setup = (f"Load: {load}, seed {args.seed}, temperature 0. Servers started here: SmolLM2-135M-Instruct, "
+    from prefixcache.models.exactness import cpu_info
+
+    setup = (f"CPU: {cpu_info()}. Load: {load}, seed {args.seed}, temperature 0. "
+             "Servers started here: SmolLM2-135M-Instruct, "
              f"--min-cache-tokens {args.min_cache_tokens}, --kv-cache-bytes {args.kv_cache_bytes}. {prices_note(prices)}")
     config = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "size": asdict(size),
               "prices": asdict(prices), "cpu_count": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -210,8 +247,8 @@ def goodput_sweep(args, folder: str, size: Size, setup: str, config: dict, bench
     lines = [head, "|" + "---|" * (len(rates) + 2)]
     for target, run in sweep.items():
         cells = [f"{p['slo_attainment']:.2f} ({p['goodput_req_per_s']:.2f})" for p in run["points"]]
-        best = run["max_rate"]
-        lines.append(f"| {target} | " + " | ".join(cells) + f" | {'below the lowest' if best is None else f'{best:.2f}'} |")
+        best = "below the lowest" if run["max_rate"] is None else f"{run['max_rate']:.2f}"
+        lines.append(f"| {target} | " + " | ".join(cells) + f" | {best} |")
     md = (f"# Goodput: {name}\n\n{setup}\n\nObjectives (vLLM's `--goodput`): {objectives}; a request counts when it "
           f"meets every one. Each cell: SLO attainment (goodput, req/s) at that Poisson arrival rate; a new seed per "
           f"rate. The last column is the highest rate at which {goal:.0%} of requests meet them (DistServe's "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from prefixcache.bench.workloads import Session, Workload
+from prefixcache.bench.workloads import Session, Turn, Workload
 
 
 @dataclass
@@ -63,17 +63,22 @@ def _headers(key: str | None) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-async def send(client: httpx.AsyncClient, target: Target, model: str, session: Session, messages: list[dict],
-               max_tokens: int, load: Load, res: Result, t0: float) -> None:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": load.temperature,
-            "stream": True, "stream_options": {"include_usage": True}, "user": session.tenant}
-    if session.tools:
-        body["tools"] = session.tools
+async def send(client: httpx.AsyncClient, target: Target, model: str, session: Session, turn: Turn,
+               messages: list[dict], load: Load, res: Result, t0: float) -> None:
+    """One streamed request: chat messages, or a trace's token ids to /v1/completions (all max_tokens of them)."""
+    if turn.prompt_ids is None:
+        path, body = "/v1/chat/completions", {"messages": messages}
+        if session.tools:
+            body["tools"] = session.tools
+    else:
+        path, body = "/v1/completions", {"prompt": turn.prompt_ids, "ignore_eos": True}
+    body.update(model=model, max_tokens=turn.max_tokens, temperature=load.temperature, stream=True,
+                stream_options={"include_usage": True}, user=session.tenant)
     start = time.perf_counter()
     res.start = start - t0
     last, parts = None, []
     try:
-        async with client.stream("POST", f"{target.url}/v1/chat/completions", json=body,
+        async with client.stream("POST", f"{target.url}{path}", json=body,
                                  headers=_headers(target.keys.get(session.tenant))) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
@@ -83,7 +88,8 @@ async def send(client: httpx.AsyncClient, target: Target, model: str, session: S
                     continue
                 chunk = json.loads(line[6:])
                 now = time.perf_counter()
-                delta = chunk["choices"][0].get("delta", {}).get("content") if chunk.get("choices") else None
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                delta = choice.get("text") if turn.prompt_ids is not None else choice.get("delta", {}).get("content")
                 if delta:
                     parts.append(delta)
                     if last is None:
@@ -109,7 +115,7 @@ async def run_session(client, target, model, idx: int, session: Session, load: L
     for i, turn in enumerate(session.turns):
         messages = history + turn.messages if session.carry else turn.messages
         res = Result(idx, i, session.tenant, 0.0)
-        await send(client, target, model, session, messages, turn.max_tokens, load, res, t0)
+        await send(client, target, model, session, turn, messages, load, res, t0)
         results.append(res)
         on_done(res)
         if not res.ok:
@@ -126,10 +132,10 @@ async def run(workload: Workload, target: Target, load: Load, on_done=lambda r: 
         t0 = time.perf_counter()
         sessions = list(enumerate(workload.sessions))
         if load.rate is not None or any(t.arrival is not None for s in workload.sessions for t in s.turns):
-            arrivals = _arrivals(workload, load)
+            starts = arrivals(workload, load)
 
             async def delayed(i, s):
-                await asyncio.sleep(max(0.0, arrivals[i] - (time.perf_counter() - t0)))
+                await asyncio.sleep(max(0.0, starts[i] - (time.perf_counter() - t0)))
                 return await run_session(client, target, model, i, s, load, t0, on_done)
 
             groups = await asyncio.gather(*(delayed(i, s) for i, s in sessions))
@@ -150,7 +156,7 @@ async def run(workload: Workload, target: Target, load: Load, on_done=lambda r: 
     return sorted((r for g in groups for r in g), key=lambda r: (r.session, r.turn)), wall
 
 
-def _arrivals(workload: Workload, load: Load) -> list[float]:
+def arrivals(workload: Workload, load: Load) -> list[float]:
     """Session start times: the JSONL `arrival` of the first turn when given, else Poisson at `load.rate`."""
     given = [s.turns[0].arrival for s in workload.sessions]
     if all(a is not None for a in given):

@@ -29,7 +29,8 @@ TOKENS_PER_WORD = 1.1
 class Turn:
     messages: list[dict]  # appended to the session's history for this request
     max_tokens: int
-    arrival: float | None = None  # seconds from the start (JSONL workloads); None: the driver decides
+    arrival: float | None = None  # seconds from the start (JSONL workloads, traces); None: the driver decides
+    prompt_ids: list[int] | None = None  # traces: these token ids to /v1/completions (ignore_eos), not messages
 
 
 @dataclass

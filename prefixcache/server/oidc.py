@@ -11,9 +11,10 @@
 A bearer JWT is verified with PyJWT against the JWKS: signature (asymmetric algorithms only, so never `none` or an
 HMAC keyed by a public key), issuer, audience, expiry and not-before (with `leeway_seconds`, default 30). Keys are
 looked up by `kid`; a URL's key set is cached (`jwks_cache_seconds`) and fetched again for a `kid` it does not hold
-(the provider rotated its keys; at most every `jwks_refetch_seconds`), a file's is read again when it changes. The tenant is the tenant claim, the labels the label
-claims' values (through `labels` when given); they form the cache scope exactly as a keys file's do. API keys
-work beside tokens. A bad config fails startup with the key that is wrong.
+(the provider rotated its keys; at most every `jwks_refetch_seconds`), a file's is read again when it changes.
+The tenant is the tenant claim, the labels the label claims' values (through `labels` when given); they form the
+cache scope exactly as a keys file's do. API keys work beside tokens. A bad config fails startup with the key that
+is wrong.
 """
 import json
 import os
