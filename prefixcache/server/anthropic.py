@@ -16,7 +16,8 @@ from pydantic import Field, model_validator
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import Prompt, fields, render
-from prefixcache.server.auth import Principal, client_salt, principal
+from prefixcache.server.auth import client_salt, principal
+from prefixcache.server.principal import Principal
 from prefixcache.server.errors import ApiError, Strict
 from prefixcache.server.generation import Generation
 from prefixcache.server.tools import Holdback, ToolUse

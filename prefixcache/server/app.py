@@ -25,7 +25,8 @@ from prefixcache.config import Config
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import encode_system
-from prefixcache.server.auth import Keys, Principal, authenticate
+from prefixcache.server.auth import Keys, authenticate
+from prefixcache.server.principal import Principal
 from prefixcache.server.errors import ApiError, invalid
 from prefixcache.server.generation import Generation
 from prefixcache.server.limits import RateLimits

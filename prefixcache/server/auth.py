@@ -9,33 +9,15 @@ import hashlib
 import hmac
 import json
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT, CacheScope
+from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT
 from prefixcache.server.errors import ApiError
-
-if TYPE_CHECKING:
-    from prefixcache.server.oidc import OidcVerifier
-
-
-@dataclass(frozen=True)
-class Principal:
-    tenant: str
-    labels: tuple[str, ...] = ()
-    admin: bool = False
-    rpm: float | None = None  # requests per minute; None: no limit
-    tpm: float | None = None  # prompt tokens per minute; None: no limit
-    cache_share: float | None = None  # the tenant's guaranteed fraction of the KV cache; None: an equal part of the rest
-
-    def scope(self, salt: str = "") -> CacheScope:
-        """The cache scope of this caller's requests: its tenant and labels, narrowed by the client's salt."""
-        return CacheScope(tenant=self.tenant, labels=self.labels, salt=salt)
+from prefixcache.server.oidc import OidcVerifier
+from prefixcache.server.principal import LOCAL, Principal
 
 
-LOCAL = Principal(LOCAL_TENANT, admin=True)
 
 log = logging.getLogger("prefixcache.auth")
 
@@ -79,7 +61,7 @@ def client_salt(cache_salt: str | None, prompt_cache_key: str | None) -> str:
     return "\x1f".join(s for s in (cache_salt, prompt_cache_key) if s)
 
 
-def authenticate(keys: Keys | None, headers, oidc: "OidcVerifier | None" = None) -> Principal:
+def authenticate(keys: Keys | None, headers, oidc: OidcVerifier | None = None) -> Principal:
     """The caller: with neither keys nor --auth-oidc, the one local tenant; else from its credential (a bearer
     token or x-api-key), which is an identity token (a JWT: three dot-separated parts) when OIDC is configured."""
     if keys is None and oidc is None:

@@ -10,7 +10,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 
 from prefixcache.server.anthropic import MessagesRequest, build_prompt
-from prefixcache.server.auth import Principal, principal
+from prefixcache.server.auth import principal
+from prefixcache.server.principal import Principal
 from prefixcache.server.errors import Strict, invalid
 from prefixcache.server.openai import ChatRequest, CompletionRequest, completion_prompt
 

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 import jwt
 
 from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT
-from prefixcache.server.auth import Principal
+from prefixcache.server.principal import Principal
 from prefixcache.server.errors import ApiError
 
 ASYMMETRIC = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")

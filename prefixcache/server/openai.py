@@ -19,7 +19,8 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from prefixcache.engine.grammar import Guide
 from prefixcache.engine.sequence import SamplingParams, best
 from prefixcache.prompt import Prompt, fields, render
-from prefixcache.server.auth import Principal, client_salt, principal
+from prefixcache.server.auth import client_salt, principal
+from prefixcache.server.principal import Principal
 from prefixcache.server.errors import ApiError, Strict
 from prefixcache.server.extensions import Extensions
 from prefixcache.server.generation import Generation
