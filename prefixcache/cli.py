@@ -1,5 +1,6 @@
 """prefixcache command line: generate | convert | serve | route | bench | lint | diff | doctor."""
 import argparse
+import json
 import sys
 
 from prefixcache.options import add_engine_options, default, size
@@ -43,6 +44,34 @@ def cmd_serve(args) -> None:
               file=sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     serve(cfg)
+
+
+def budget_list(text: str) -> list[int]:
+    """Comma-separated byte sizes (512MiB, 2GiB, ...), each positive."""
+    out = [size(t) for t in text.split(",")]
+    if not out or min(out) <= 0:
+        raise argparse.ArgumentTypeError(f"budgets must be positive sizes, got {text!r}")
+    return out
+
+
+def cmd_plan(args) -> None:
+    from prefixcache.bench import plan
+
+    points = plan.plan(args.log, args.budgets, args.policy, args.ttl, args.model or "", args.min_cache_tokens,
+                       args.seed, errors=args.trace_errors)
+    measured = plan.validate(args.log, args.budgets, args.min_cache_tokens, args.seed) if args.validate else None
+    if args.json:
+        for i, p in enumerate(points):
+            print(plan.as_json(p) if measured is None else plan.as_json(p)[:-1] + f', "measured_hit_rate": '
+                  f'{json.dumps(measured[i])}}}')
+        return
+    print(plan.markdown(points))
+    if measured is not None:
+        print("\n| budget | predicted hit rate | measured (live, 1 user) | difference |\n|---|---|---|---|")
+        for p, m in zip(points, measured):
+            print(f"| {plan._mib(p.budget_bytes)} | {p.hit_rate:.3f} | {m:.3f} | {m - p.hit_rate:+.3f} |")
+    if args.plot:
+        print(f"wrote {plan.plot(points, f'{args.log}: hit rate against KV memory', args.plot)}")
 
 
 def cmd_route(args) -> None:
@@ -127,6 +156,24 @@ def build_parser() -> argparse.ArgumentParser:
                    "vLLM's benchmark computes it), counted the same way")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("plan", help="what KV memory budgets buy for a request log, replayed through the real cache")
+    p.add_argument("--log", required=True, help="a JSONL of OpenAI/Anthropic requests (optional tenant, arrival), a "
+                   "Mooncake-style trace, or a built-in workload's name")
+    p.add_argument("--budgets", type=budget_list, default=budget_list("256MiB,1GiB,4GiB"),
+                   help="comma-separated KV budgets (default: 256MiB,1GiB,4GiB)")
+    p.add_argument("--policy", choices=["lru", "fair", "ttl"], default="lru",
+                   help="lru: as served; fair: equal per-tenant shares; ttl: entries live --ttl seconds")
+    p.add_argument("--ttl", type=float, default=None, help="--policy ttl: seconds")
+    p.add_argument("--model", default=None, help="the model whose KV geometry sizes a block (default: the default)")
+    p.add_argument("--min-cache-tokens", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="for built-in workloads")
+    p.add_argument("--trace-errors", choices=["refuse", "skip"], default="refuse")
+    p.add_argument("--json", action="store_true", help="one JSON object per budget")
+    p.add_argument("--plot", default=None, metavar="PNG", help="hit rate against budget, with the knee")
+    p.add_argument("--validate", action="store_true",
+                   help="also measure each budget on a live server of ours (one user) and print both")
+    p.set_defaults(func=cmd_plan)
 
     from prefixcache.router.balance import POLICIES, Policy
     from prefixcache.router.config import RouterConfig

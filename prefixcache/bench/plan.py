@@ -1,0 +1,276 @@
+"""`prefixcache plan`: what a KV memory budget buys, before traffic arrives.
+
+A request log (a JSONL of OpenAI or Anthropic requests, a Mooncake-style trace, or a built-in workload's name) is
+replayed, one request after another in arrival order, through the real engine, whose scheduler, block manager and
+prefix cache decide every match, write, TTL expiry and eviction, by scope. Only the model is a stand-in: one layer
+with the real model's vocabulary and tokenizer, its pool given exactly as many KV blocks as the budget holds for
+the real model, so that a day of traffic replays in seconds. Per budget: the hit rate (cached prompt tokens over
+prompt tokens), saved prefill tokens, evicted blocks, and the TTFT the misses imply on this machine, from the
+engine benchmark's prefill times (bench/results/engine.json): t(u, c) = a u + b (u^2 + 2 u c) for u computed and c
+cached tokens, a and b fitted to its 1,024- and 4,096-token prefills.
+
+Replayed alone, the requests never overlap, as under a live load of one user; with many users concurrent requests
+share blocks being written, so a live hit rate can differ from the plan's by the requests that overlap.
+"""
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from prefixcache.bench.driver import Load, arrivals
+from prefixcache.bench.trace import load_trace
+from prefixcache.bench.workloads import GENERATORS, Size, Workload, build
+from prefixcache.cache.scope import CacheScope
+from prefixcache.engine.sequence import SamplingParams
+
+POLICIES = ("lru", "fair", "ttl")
+STANDIN_DIM = 16  # the stand-in's width and its one head's dimension
+ENGINE_BENCH = "bench/results/engine.json"
+
+
+@dataclass
+class Request:
+    tenant: str
+    prompt: list[int]
+    max_tokens: int
+    arrival: float  # seconds from the log's start
+
+
+@dataclass
+class Point:
+    budget_bytes: int
+    blocks: int
+    hit_rate: float
+    prompt_tokens: int
+    cached_tokens: int
+    saved_prefill_tokens: int
+    evicted_blocks: int
+    refused_requests: int  # prompts longer than the whole budget (a live server answers them 400)
+    ttft_mean_s: float | None
+    ttft_p90_s: float | None
+    replay_s: float
+
+
+def plan(log: str, budgets: list[int], policy: str = "lru", ttl: float | None = None, model: str = "",
+         min_cache_tokens: int = 0, seed: int = 0, size: Size | None = None, errors: str = "refuse") -> list[Point]:
+    """One Point per budget (bytes of KV for the real model)."""
+    if policy not in POLICIES:
+        raise ValueError(f"--policy: one of {', '.join(POLICIES)}, got {policy!r}")
+    if policy == "ttl" and not ttl:
+        raise ValueError("--policy ttl needs --ttl SECONDS (the entries' lifetime)")
+    real = _real_folder(model)
+    geometry = _geometry(real)
+    for b in budgets:
+        if b // geometry["block_bytes"] < 2:
+            raise ValueError(f"--budgets: {b} bytes is less than two KV blocks of this model "
+                             f"({geometry['block_bytes']} bytes each)")
+    costs = _costs()
+    with tempfile.TemporaryDirectory(prefix="plan-standin-") as standin:
+        _standin(real, standin, geometry)
+        requests = _requests(log, standin, seed, size or Size(), errors)
+        return [_replay(standin, geometry, b, requests, policy, ttl, min_cache_tokens, costs) for b in budgets]
+
+
+def knee(points: list[Point], within: float = 0.95) -> Point:
+    """The smallest budget whose hit rate is at least `within` of the best: past it, memory buys little."""
+    best = max(p.hit_rate for p in points)
+    return min((p for p in points if p.hit_rate >= within * best), key=lambda p: p.budget_bytes)
+
+
+def markdown(points: list[Point]) -> str:
+    k = knee(points)
+    lines = ["| budget | blocks | hit rate | saved prefill tokens | evicted blocks | refused | TTFT mean (s) | "
+             "TTFT p90 (s) |", "|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        mark = " (knee)" if p is k else ""
+        ttft = [f"{t:.3f}" if t is not None else "n/a" for t in (p.ttft_mean_s, p.ttft_p90_s)]
+        lines.append(f"| {_mib(p.budget_bytes)}{mark} | {p.blocks} | {p.hit_rate:.3f} | {p.saved_prefill_tokens:,} |"
+                     f" {p.evicted_blocks:,} | {p.refused_requests} | {ttft[0]} | {ttft[1]} |")
+    return "\n".join(lines)
+
+
+def plot(points: list[Point], title: str, path: str) -> str:
+    from prefixcache.bench.plots import _save, plt
+
+    k = knee(points)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ax.plot([p.budget_bytes / 2**20 for p in points], [p.hit_rate for p in points], "o-", color="tab:green")
+    ax.plot([k.budget_bytes / 2**20], [k.hit_rate], "o", markersize=12, markerfacecolor="none", color="black",
+            label=f"knee: {_mib(k.budget_bytes)}")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("KV cache budget (MiB)")
+    ax.set_ylabel("hit rate (cached / prompt tokens)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def as_json(p: Point) -> str:
+    return json.dumps(asdict(p))
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------
+def _mib(b: int) -> str:
+    return f"{b / 2**30:g} GiB" if b >= 2**30 else f"{b / 2**20:g} MiB"
+
+
+def _real_folder(model: str) -> str:
+    from prefixcache.config import default_model_path
+    from prefixcache.models.loader import converted_folder
+
+    path = model or default_model_path()
+    return path if os.path.isdir(path) else converted_folder(path)
+
+
+def _geometry(folder: str) -> dict:
+    from prefixcache.config import Config
+
+    with open(os.path.join(folder, "config.json")) as f:
+        hf = json.load(f)
+    heads = hf["num_attention_heads"]
+    kv_heads, head_dim = hf.get("num_key_value_heads", heads), hf.get("head_dim") or hf["hidden_size"] // heads
+    bs = Config.block_size
+    return {"vocab": hf["vocab_size"], "max_position": hf.get("max_position_embeddings", 8192), "block_size": bs,
+            "block_bytes": 2 * hf["num_hidden_layers"] * bs * kv_heads * head_dim * 4}  # float32 KV, as served
+
+
+def _standin(real: str, folder: str, geometry: dict) -> None:
+    """A one-layer Llama with the real vocabulary, context and tokenizer: the engine runs it in microseconds."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    for f in os.listdir(real):
+        if f.startswith(("tokenizer", "special_tokens", "chat_template")) or f.endswith(".jinja"):
+            shutil.copy(os.path.join(real, f), folder)
+    vocab, hidden, inter = geometry["vocab"], STANDIN_DIM, 2 * STANDIN_DIM
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
+              "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+              "max_position_embeddings": geometry["max_position"], "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": True}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    g = torch.Generator().manual_seed(0)
+    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (hidden, hidden),
+              "self_attn.v_proj": (hidden, hidden), "self_attn.o_proj": (hidden, hidden),
+              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+    t = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g), "model.norm.weight": torch.ones(hidden),
+         "model.layers.0.input_layernorm.weight": torch.ones(hidden),
+         "model.layers.0.post_attention_layernorm.weight": torch.ones(hidden)}
+    t.update({f"model.layers.0.{n}.weight": torch.randn(*s, generator=g) / 4 for n, s in shapes.items()})
+    save_file(t, os.path.join(folder, "model.safetensors"))
+
+
+def _requests(log: str, standin: str, seed: int, size: Size, errors: str) -> list[Request]:
+    from transformers import AutoTokenizer
+
+    from prefixcache.prompt import fields, render
+
+    if log in GENERATORS:
+        workload = build(log, seed, size)
+    elif _is_trace(log):
+        workload, problems = load_trace(log, errors=errors)
+        for p in problems:
+            print(f"prefixcache plan: {log}: skipped {p}")
+    else:
+        workload = build(log, seed, size)  # a JSONL of API requests
+    tokenizer = AutoTokenizer.from_pretrained(standin)
+    out = []
+    for session, start in zip(workload.sessions, arrivals(workload, Load(users=1, rate=None, seed=seed))
+                              if _timed(workload) else [0.0] * len(workload.sessions)):
+        history = []
+        for turn in session.turns:
+            messages = history + turn.messages if session.carry else turn.messages
+            prompt = turn.prompt_ids or render(tokenizer, fields({"messages": messages, "tools": session.tools})
+                                                ).token_ids
+            out.append(Request(session.tenant, prompt, turn.max_tokens, turn.arrival or start))
+            history = messages  # replies are not in a log: later turns carry the earlier prompts
+    return sorted(out, key=lambda r: r.arrival)  # stable: a log without times replays in its order
+
+
+def _is_trace(path: str) -> bool:
+    with open(path) as f:
+        first = next((line for line in f if line.strip()), "{}")
+    try:
+        return "hash_ids" in json.loads(first)
+    except json.JSONDecodeError:
+        return False
+
+
+def _timed(workload: Workload) -> bool:
+    return all(t.arrival is not None for s in workload.sessions for t in s.turns[:1])
+
+
+def _replay(standin: str, geometry: dict, budget: int, requests: list[Request], policy: str, ttl: float | None,
+            min_cache_tokens: int, costs: tuple[float, float] | None) -> Point:
+    from prefixcache.engine.llm import LLM
+
+    blocks = budget // geometry["block_bytes"]
+    standin_block = 2 * geometry["block_size"] * STANDIN_DIM * 4  # one layer, one KV head, float32
+    llm = LLM(model=standin, kv_cache_bytes=blocks * standin_block, min_cache_tokens=min_cache_tokens,
+              default_ttl=ttl if policy == "ttl" else None, max_num_seqs=1, speculative="off")
+    now = [0.0]
+    llm.engine.blocks.cache.clock = lambda: now[0]  # the log's time, so that TTLs expire as they would have
+    if policy == "fair":
+        tenants = sorted({r.tenant for r in requests})
+        llm.engine.set_cache_shares({t: 1 / len(tenants) for t in tenants})
+    started, prompt, cached, ttfts, refused = time.perf_counter(), 0, 0, [], 0
+    try:
+        for r in requests:
+            now[0] = r.arrival
+            try:
+                [out] = llm.generate(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
+                                                              ignore_eos=True), scope=CacheScope(tenant=r.tenant))
+            except ValueError:  # it does not fit in the budget at all
+                refused += 1
+                continue
+            prompt, cached = prompt + len(r.prompt), cached + out.cached_tokens
+            if costs:
+                a, b = costs
+                u, c = len(r.prompt) - out.cached_tokens, out.cached_tokens
+                ttfts.append(a * u + b * (u * u + 2 * u * c))
+        evicted = sum(llm.engine.stats()["evictions"].values())
+    finally:
+        llm.engine.close()
+    return Point(budget, blocks, cached / prompt if prompt else 0.0, prompt, cached, cached, evicted, refused,
+                 statistics.fmean(ttfts) if ttfts else None,
+                 sorted(ttfts)[math.ceil(0.9 * len(ttfts)) - 1] if ttfts else None, time.perf_counter() - started)
+
+
+def _costs(path: str = ENGINE_BENCH) -> tuple[float, float] | None:
+    """a, b of t(u, c) = a u + b (u^2 + 2 u c), from the engine benchmark's 1,024- and 4,096-token prefills."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        e = json.load(f)["prefixcache"]
+    t1, t4 = e["prefill_1024_s"], e["prefill_4096_s"]
+    b = (t4 - 4 * t1) / (4096**2 - 4 * 1024**2)
+    return (t1 - b * 1024**2) / 1024, b
+
+
+def validate(log: str, budgets: list[int], min_cache_tokens: int = 0, seed: int = 0, size: Size | None = None,
+             server_log: str | None = None) -> list[float | None]:
+    """The hit rate a live server of ours (the real model) measures at each budget, driven by one user in the
+    log's order (or its arrival times), its cache emptied before each run: what the plan predicts."""
+    from prefixcache.bench.driver import Target
+    from prefixcache.bench.report import Prices
+    from prefixcache.bench.runs import Bench, local, measure
+    from prefixcache.bench.server import ServerOptions, Servers
+
+    workload = load_trace(log)[0] if log not in GENERATORS and _is_trace(log) else build(log, seed, size or Size())
+    servers = Servers(workload.tenants, server_log)
+    try:
+        bench = Bench(Load(users=1, seed=seed), Prices(), ServerOptions(min_cache_tokens=min_cache_tokens), servers)
+        out = []
+        for budget in budgets:
+            srv = local(bench, kv_cache_bytes=budget)
+            s, _ = measure(workload, Target("live", srv.url, srv.keys), bench, f"live, {_mib(budget)}", srv)
+            out.append(s["hit_rate_tokens"])
+        return out
+    finally:
+        servers.close()
