@@ -1,13 +1,14 @@
 """`prefixcache plan`: what a KV memory budget buys, before traffic arrives.
 
 A request log (a JSONL of OpenAI or Anthropic requests, a Mooncake-style trace, or a built-in workload's name) is
-replayed, one request after another in arrival order, through the real engine, whose scheduler, block manager and
-prefix cache decide every match, write, TTL expiry and eviction, by scope. Only the model is a stand-in: one layer
-with the real model's vocabulary and tokenizer, its pool given exactly as many KV blocks as the budget holds for
-the real model, so that a day of traffic replays in seconds. Per budget: the hit rate (cached prompt tokens over
-prompt tokens), saved prefill tokens, evicted blocks, and the TTFT the misses imply on this machine, from the
-engine benchmark's prefill times (bench/results/engine.json): t(u, c) = a u + b (u^2 + 2 u c) for u computed and c
-cached tokens, a and b fitted to its 1,024- and 4,096-token prefills.
+replayed, one request after another in arrival order, through the real cache code alone: the engine's block
+manager over a KV pool of the real model's geometry and the budget's blocks (mapped lazily, so it takes no memory),
+whose prefix cache decides every match, write, TTL expiry (on the log's clock) and eviction, by scope. No model
+runs: a request is admitted, its prompt counted as computed and published, its output (as many new tokens as it
+asked for, of its own) grown and published, and it is released, as the engine does for one sequence alone. Per
+budget: the hit rate (cached prompt tokens over prompt tokens), saved prefill tokens, evicted blocks, and the TTFT
+the misses imply on this machine, from the engine benchmark's prefill times (bench/results/engine.json): t(u, c) =
+a u + b (u^2 + 2 u c) for u computed and c cached tokens, a and b fitted to its 1,024- and 4,096-token prefills.
 
 Replayed alone, the requests never overlap, as under a live load of one user; with many users concurrent requests
 share blocks being written, so a live hit rate can differ from the plan's by the requests that overlap.
@@ -16,7 +17,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -27,7 +27,7 @@ from prefixcache.cache.scope import CacheScope
 from prefixcache.engine.sequence import SamplingParams
 
 POLICIES = ("lru", "fair", "ttl")
-STANDIN_DIM = 16  # the stand-in's width and its one head's dimension
+TOKENS_FOR_OUTPUT = (10**9, 2 * 10**9)  # output token ids: each request's its own, never in any prompt
 ENGINE_BENCH = "bench/results/engine.json"
 
 
@@ -67,11 +67,8 @@ def plan(log: str, budgets: list[int], policy: str = "lru", ttl: float | None = 
         if b // geometry["block_bytes"] < 2:
             raise ValueError(f"--budgets: {b} bytes is less than two KV blocks of this model "
                              f"({geometry['block_bytes']} bytes each)")
-    costs = _costs()
-    with tempfile.TemporaryDirectory(prefix="plan-standin-") as standin:
-        _standin(real, standin, geometry)
-        requests = _requests(log, standin, seed, size or Size(), errors)
-        return [_replay(standin, geometry, b, requests, policy, ttl, min_cache_tokens, costs) for b in budgets]
+    requests = _requests(log, real, seed, size or Size(), errors)
+    return [_replay(geometry, b, requests, policy, ttl, min_cache_tokens, _costs()) for b in budgets]
 
 
 def knee(points: list[Point], within: float = 0.95) -> Point:
@@ -133,40 +130,11 @@ def _geometry(folder: str) -> dict:
         hf = json.load(f)
     heads = hf["num_attention_heads"]
     kv_heads, head_dim = hf.get("num_key_value_heads", heads), hf.get("head_dim") or hf["hidden_size"] // heads
-    bs = Config.block_size
-    return {"vocab": hf["vocab_size"], "max_position": hf.get("max_position_embeddings", 8192), "block_size": bs,
-            "block_bytes": 2 * hf["num_hidden_layers"] * bs * kv_heads * head_dim * 4}  # float32 KV, as served
+    g = {"layers": hf["num_hidden_layers"], "kv_heads": kv_heads, "head_dim": head_dim, "block_size": Config.block_size}
+    return {**g, "block_bytes": 2 * g["layers"] * g["block_size"] * kv_heads * head_dim * 4}  # float32 KV, as served
 
 
-def _standin(real: str, folder: str, geometry: dict) -> None:
-    """A one-layer Llama with the real vocabulary, context and tokenizer: the engine runs it in microseconds."""
-    import shutil
-
-    import torch
-    from safetensors.torch import save_file
-
-    for f in os.listdir(real):
-        if f.startswith(("tokenizer", "special_tokens", "chat_template")) or f.endswith(".jinja"):
-            shutil.copy(os.path.join(real, f), folder)
-    vocab, hidden, inter = geometry["vocab"], STANDIN_DIM, 2 * STANDIN_DIM
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
-              "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
-              "max_position_embeddings": geometry["max_position"], "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "tie_word_embeddings": True}
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f)
-    g = torch.Generator().manual_seed(0)
-    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (hidden, hidden),
-              "self_attn.v_proj": (hidden, hidden), "self_attn.o_proj": (hidden, hidden),
-              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
-    t = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g), "model.norm.weight": torch.ones(hidden),
-         "model.layers.0.input_layernorm.weight": torch.ones(hidden),
-         "model.layers.0.post_attention_layernorm.weight": torch.ones(hidden)}
-    t.update({f"model.layers.0.{n}.weight": torch.randn(*s, generator=g) / 4 for n, s in shapes.items()})
-    save_file(t, os.path.join(folder, "model.safetensors"))
-
-
-def _requests(log: str, standin: str, seed: int, size: Size, errors: str) -> list[Request]:
+def _requests(log: str, folder: str, seed: int, size: Size, errors: str) -> list[Request]:
     from transformers import AutoTokenizer
 
     from prefixcache.prompt import fields, render
@@ -179,7 +147,7 @@ def _requests(log: str, standin: str, seed: int, size: Size, errors: str) -> lis
             print(f"prefixcache plan: {log}: skipped {p}")
     else:
         workload = build(log, seed, size)  # a JSONL of API requests
-    tokenizer = AutoTokenizer.from_pretrained(standin)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     out = []
     for session, start in zip(workload.sessions, arrivals(workload, Load(users=1, rate=None, seed=seed))
                               if _timed(workload) else [0.0] * len(workload.sessions)):
@@ -206,39 +174,46 @@ def _timed(workload: Workload) -> bool:
     return all(t.arrival is not None for s in workload.sessions for t in s.turns[:1])
 
 
-def _replay(standin: str, geometry: dict, budget: int, requests: list[Request], policy: str, ttl: float | None,
+def _replay(geometry: dict, budget: int, requests: list[Request], policy: str, ttl: float | None,
             min_cache_tokens: int, costs: tuple[float, float] | None) -> Point:
-    from prefixcache.engine.llm import LLM
+    import torch
 
-    blocks = budget // geometry["block_bytes"]
-    standin_block = 2 * geometry["block_size"] * STANDIN_DIM * 4  # one layer, one KV head, float32
-    llm = LLM(model=standin, kv_cache_bytes=blocks * standin_block, min_cache_tokens=min_cache_tokens,
-              default_ttl=ttl if policy == "ttl" else None, max_num_seqs=1, speculative="off")
+    from prefixcache.cache.pool import KVPool
+    from prefixcache.engine.blocks import BlockManager
+    from prefixcache.engine.sequence import Sequence
+
+    g = geometry
+    pool = KVPool(g["layers"], g["kv_heads"], g["head_dim"], g["block_size"], budget, torch.float32)
+    blocks = BlockManager(pool, True, min_cache_tokens, ttl if policy == "ttl" else None, [])
     now = [0.0]
-    llm.engine.blocks.cache.clock = lambda: now[0]  # the log's time, so that TTLs expire as they would have
+    blocks.cache.clock = lambda: now[0]  # the log's time, so that TTLs expire as they would have
     if policy == "fair":
         tenants = sorted({r.tenant for r in requests})
-        llm.engine.set_cache_shares({t: 1 / len(tenants) for t in tenants})
+        blocks.cache.set_shares({t: 1 / len(tenants) for t in tenants}, group=lambda owner: owner[0])
     started, prompt, cached, ttfts, refused = time.perf_counter(), 0, 0, [], 0
-    try:
-        for r in requests:
-            now[0] = r.arrival
-            try:
-                [out] = llm.generate(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
-                                                              ignore_eos=True), scope=CacheScope(tenant=r.tenant))
-            except ValueError:  # it does not fit in the budget at all
-                refused += 1
-                continue
-            prompt, cached = prompt + len(r.prompt), cached + out.cached_tokens
-            if costs:
-                a, b = costs
-                u, c = len(r.prompt) - out.cached_tokens, out.cached_tokens
-                ttfts.append(a * u + b * (u * u + 2 * u * c))
-        evicted = sum(llm.engine.stats()["evictions"].values())
-    finally:
-        llm.engine.close()
-    return Point(budget, blocks, cached / prompt if prompt else 0.0, prompt, cached, cached, evicted, refused,
-                 statistics.fmean(ttfts) if ttfts else None,
+    output = iter(range(TOKENS_FOR_OUTPUT[0], TOKENS_FOR_OUTPUT[1]))
+    for r in requests:
+        now[0] = r.arrival
+        seq = Sequence(r.prompt, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), CacheScope(r.tenant))
+        blocks.prepare(seq)
+        if math.ceil((len(r.prompt) + 1) / pool.block_size) > pool.usable_blocks or not blocks.admit(seq):
+            refused += 1  # longer than the whole budget: a live server answers it 400
+            continue
+        seq.num_computed = len(seq.tokens)  # the prefill
+        blocks.publish(seq)
+        if blocks.grow(seq, r.max_tokens):  # the decode: every output token but the last is computed
+            seq.tokens += [next(output) for _ in range(r.max_tokens)]
+            seq.num_computed = len(seq.tokens) - 1
+        blocks.release(seq, finished=True)
+        c = seq.cache.num_cached
+        prompt, cached = prompt + len(r.prompt), cached + c
+        if costs:
+            a, b = costs
+            u = len(r.prompt) - c
+            ttfts.append(a * u + b * (u * u + 2 * u * c))
+    evicted = sum(blocks.cache.evictions.values())
+    return Point(budget, pool.usable_blocks, cached / prompt if prompt else 0.0, prompt, cached, cached, evicted,
+                 refused, statistics.fmean(ttfts) if ttfts else None,
                  sorted(ttfts)[math.ceil(0.9 * len(ttfts)) - 1] if ttfts else None, time.perf_counter() - started)
 
 
