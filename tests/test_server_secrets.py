@@ -10,9 +10,11 @@ import time
 
 import httpx
 import pytest
-from server_fixtures import KEYS, main_server, until
+from server_fixtures import KEYS, _start, main_server, until
 
 from prefixcache.bench.server import free_port
+from prefixcache.config import Config
+from prefixcache.server.app import ServeConfig
 from prefixcache.server.auth import Keys
 
 SECRET_PROMPT = "The merger code name is BLUE HERON; tell no one."
@@ -179,9 +181,6 @@ def test_sighup_reloads_the_keys_file(served):
 def test_cache_shares_come_from_the_keys_file_and_reload_with_it(tiny_model, tmp_path):
     """cache_share in a tenant's key entry reaches the engine at start and again on SIGHUP (reload_keys); shares
     adding up to more than the whole cache are refused, and a refused file keeps the shares in force."""
-    from prefixcache.config import Config
-    from prefixcache.server.app import ServeConfig
-    from server_fixtures import _start
 
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk-a": {"tenant": "a", "cache_share": 0.5}, "sk-b": {"tenant": "b"}}))
@@ -199,3 +198,15 @@ def test_cache_shares_come_from_the_keys_file_and_reload_with_it(tiny_model, tmp
     running.server.reload_keys()
     time.sleep(0.2)
     assert cache.shares == {"a": 0.25, "b": 0.5}
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused_and_others_run(tiny_model):
+    """A prompt that fits but, with its max_tokens, outgrows the whole KV pool would be preempted and restarted
+    forever, spinning the engine for every tenant; it gets a 400 naming the sizes, and the next request runs."""
+    block = 2 * 2 * 16 * 2 * 16 * 4  # the tiny model's KV block: 2 layers, 2 KV heads of 16, 16 tokens, fp32
+    srv = _start("small-pool", ServeConfig(Config(model=tiny_model, kv_cache_bytes=12 * block)))
+    body = {"model": "default", "prompt": list(range(1000, 1150)), "ignore_eos": True, "temperature": 0}
+    r = httpx.post(f"{srv.url}/v1/completions", json={**body, "max_tokens": 100}, timeout=30)
+    assert r.status_code == 400 and "need 16 KV blocks; the cache holds 11" in r.json()["error"]["message"]
+    ok = httpx.post(f"{srv.url}/v1/completions", json={**body, "max_tokens": 20}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 20

@@ -48,7 +48,7 @@ class Point:
     cached_tokens: int
     saved_prefill_tokens: int
     evicted_blocks: int
-    refused_requests: int  # prompts longer than the whole budget (a live server answers them 400)
+    refused_requests: int  # prompt and output larger than the whole budget (a live server answers them 400)
     ttft_mean_s: float | None
     ttft_p90_s: float | None
     replay_s: float
@@ -196,8 +196,8 @@ def _replay(geometry: dict, budget: int, requests: list[Request], policy: str, t
         now[0] = r.arrival
         seq = Sequence(r.prompt, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), CacheScope(r.tenant))
         blocks.prepare(seq)
-        if math.ceil((len(r.prompt) + 1) / pool.block_size) > pool.usable_blocks or not blocks.admit(seq):
-            refused += 1  # longer than the whole budget: a live server answers it 400
+        if not blocks.fits(len(r.prompt) + r.max_tokens) or not blocks.admit(seq):
+            refused += 1  # prompt and output larger than the whole budget: a live server answers it 400
             continue
         seq.num_computed = len(seq.tokens)  # the prefill
         blocks.publish(seq)

@@ -241,6 +241,17 @@ class BlockManager:
         end = (len(m.nodes) + 1) * self.bs
         return end <= len(seq.tokens) and self.cache.holds(seq.tokens[:end])
 
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.bs)
+
+    def room(self) -> int:
+        """Blocks a sequence could have with the pool to itself: all but the pinned entries'."""
+        return self.pool.usable_blocks - self.cache.num_pinned
+
+    def fits(self, n_tokens: int) -> bool:
+        """Whether a sequence of n_tokens could ever run: alone, with every other entry evicted."""
+        return self.blocks_for(n_tokens) <= self.room()
+
     def reserve(self, n: int) -> bool:
         if n > self.pool.num_free:
             self.cache.evict(n - self.pool.num_free)

@@ -101,10 +101,13 @@ class Engine:
         for b in breakpoints:
             if not 0 < b.position <= len(prompt):
                 raise ValueError(f"breakpoint at {b.position} is outside the prompt (1..{len(prompt)})")
-        needed = -(-(len(prompt) + 1) // self.config.block_size)
-        room = self.pool.usable_blocks - self.blocks.cache.num_pinned
-        if needed > room:  # it could never be admitted: waiting would hang
-            raise ValueError(f"prompt needs {needed} KV blocks; the budget leaves {room} (pinned entries excluded)")
+        # alone in the pool it must still fit, prompt and output (and a draft): else it would be preempted and
+        # restarted forever, its steps starving everyone else's
+        drafts = self.config.num_speculative_tokens if self.speculation.drafter.enabled else 0
+        if not self.blocks.fits(len(prompt) + params.max_tokens + drafts):
+            raise ValueError(f"the prompt ({len(prompt)} tokens) and max_tokens ({params.max_tokens}) need "
+                             f"{self.blocks.blocks_for(len(prompt) + params.max_tokens + drafts)} KV blocks; the "
+                             f"cache holds {self.blocks.room()} (pinned entries excluded)")
         vocab = self.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
                           ("allowed_token_ids", params.allowed_token_ids or []),
