@@ -45,7 +45,7 @@ def srv(tiny_model, tmp_path_factory):
     (d / "jwks.json").write_text(json.dumps({"keys": [jwk(RSA_KEY, "rsa-1", "RS256"), jwk(EC_KEY, "ec-1", "ES256")]}))
     (d / "oidc.json").write_text(json.dumps({"issuer": ISSUER, "audience": AUDIENCE, "jwks": str(d / "jwks.json"),
                                              "labels": LABELS, "admin_label": "prefixcache-admin"}))
-    (d / "keys.json").write_text(json.dumps({"sk-globex": {"tenant": "globex"}}))
+    (d / "keys.json").write_text(json.dumps({"sk-globex": {"tenant": "globex"}, "sk.dotted.key": {"tenant": "d"}}))
     return _start("oidc", ServeConfig(Config(model=tiny_model, min_cache_tokens=0), api_keys=str(d / "keys.json"),
                                       auth_oidc=str(d / "oidc.json")))
 
@@ -71,6 +71,7 @@ def test_rsa_and_ec_tokens_get_their_tenants_scope(srv):
         r = complete(srv, t)
         assert r.status_code == 200, r.text
     assert complete(srv, "sk-globex").status_code == 200  # API keys beside tokens
+    assert complete(srv, "sk.dotted.key").status_code == 200  # a key is looked up first, though it looks like a JWT
     usage = httpx.get(f"{srv.url}/v1/cache/usage", headers={"Authorization": f"Bearer {token()}"})
     assert usage.status_code == 403  # a tenant's token is no admin's
     admin = token(groups=[], roles=["role-admin"])

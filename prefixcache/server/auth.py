@@ -63,14 +63,15 @@ def client_salt(cache_salt: str | None, prompt_cache_key: str | None) -> str:
 
 def authenticate(keys: Keys | None, headers, oidc: OidcVerifier | None = None) -> Principal:
     """The caller: with neither keys nor --auth-oidc, the one local tenant; else from its credential (a bearer
-    token or x-api-key), which is an identity token (a JWT: three dot-separated parts) when OIDC is configured."""
+    token or x-api-key): an API key of the keys file, or else, with OIDC, an identity token (a JWT: three
+    dot-separated parts)."""
     if keys is None and oidc is None:
         return LOCAL
     auth = headers.get("authorization", "")
     key = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
-    if oidc and key.count(".") == 2:
-        return oidc.principal(key)
     principal = keys.lookup(key) if keys else None
+    if principal is None and oidc and key.count(".") == 2:
+        return oidc.principal(key)
     if principal is None:
         raise ApiError(401, "invalid API key" if key else "missing API key", code="invalid_api_key")
     return principal
