@@ -48,9 +48,13 @@ def test_entries_expire_on_the_logs_clock(tmp_path, tiny_model):
     assert kept.cached_tokens > 0 and alive.cached_tokens == kept.cached_tokens and expired.cached_tokens == 0
 
 
-def test_a_prompt_larger_than_the_budget_is_counted_as_refused(tmp_path, tiny_model):
+def test_requests_a_live_server_refuses_are_counted_as_refused(tmp_path, tiny_model):
+    """Larger than the whole budget, or than the context window (the tiny model's: 2,048 tokens)."""
     [p] = plan.plan(log(tmp_path, [chat("a", SYSTEM["a"], "q?")]), [4 * BLOCK_BYTES], model=tiny_model)
     assert p.refused_requests == 1 and p.prompt_tokens == 0
+    rows = [chat("a", SYSTEM["a"], "q?"), chat("a", "word " * 2500, "q?")]
+    [p] = plan.plan(log(tmp_path, rows), [400 * BLOCK_BYTES], model=tiny_model)
+    assert p.refused_requests == 1 and 0 < p.prompt_tokens < 2048
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -48,7 +48,7 @@ class Point:
     cached_tokens: int
     saved_prefill_tokens: int
     evicted_blocks: int
-    refused_requests: int  # prompt and output larger than the whole budget (a live server answers them 400)
+    refused_requests: int  # longer than the context, or prompt and output than the budget (a live server: 400)
     ttft_mean_s: float | None
     ttft_p90_s: float | None
     replay_s: float
@@ -130,7 +130,8 @@ def _geometry(folder: str) -> dict:
         hf = json.load(f)
     heads = hf["num_attention_heads"]
     kv_heads, head_dim = hf.get("num_key_value_heads", heads), hf.get("head_dim") or hf["hidden_size"] // heads
-    g = {"layers": hf["num_hidden_layers"], "kv_heads": kv_heads, "head_dim": head_dim, "block_size": Config.block_size}
+    g = {"layers": hf["num_hidden_layers"], "kv_heads": kv_heads, "head_dim": head_dim, "block_size": Config.block_size,
+         "context": hf.get("max_position_embeddings", 8192)}
     return {**g, "block_bytes": 2 * g["layers"] * g["block_size"] * kv_heads * head_dim * 4}  # float32 KV, as served
 
 
@@ -194,15 +195,17 @@ def _replay(geometry: dict, budget: int, requests: list[Request], policy: str, t
     output = iter(range(TOKENS_FOR_OUTPUT[0], TOKENS_FOR_OUTPUT[1]))
     for r in requests:
         now[0] = r.arrival
-        seq = Sequence(r.prompt, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), CacheScope(r.tenant))
+        seq = Sequence(r.prompt, SamplingParams(max_tokens=max(r.max_tokens, 1), ignore_eos=True),
+                       CacheScope(r.tenant))
         blocks.prepare(seq)
-        if not blocks.fits(len(r.prompt) + r.max_tokens) or not blocks.admit(seq):
-            refused += 1  # prompt and output larger than the whole budget: a live server answers it 400
+        out = min(r.max_tokens, g["context"] - len(r.prompt))  # the output stops at the context window
+        if out < 1 or not blocks.fits(len(r.prompt) + out) or not blocks.admit(seq):
+            refused += 1  # longer than the context, or than the whole budget: a live server answers it 400
             continue
         seq.num_computed = len(seq.tokens)  # the prefill
         blocks.publish(seq)
-        if blocks.grow(seq, r.max_tokens):  # the decode: every output token but the last is computed
-            seq.tokens += [next(output) for _ in range(r.max_tokens)]
+        if blocks.grow(seq, out):  # the decode: every output token but the last is computed
+            seq.tokens += [next(output) for _ in range(out)]
             seq.num_computed = len(seq.tokens) - 1
         blocks.release(seq, finished=True)
         c = seq.cache.num_cached

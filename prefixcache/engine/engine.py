@@ -104,10 +104,11 @@ class Engine:
         # alone in the pool it must still fit, prompt and output (and a draft): else it would be preempted and
         # restarted forever, its steps starving everyone else's
         drafts = self.config.num_speculative_tokens if self.speculation.drafter.enabled else 0
-        if not self.blocks.fits(len(prompt) + params.max_tokens + drafts):
+        longest = min(len(prompt) + params.max_tokens, self.max_model_len) + drafts  # output stops at the window
+        if not self.blocks.fits(longest):
             raise ValueError(f"the prompt ({len(prompt)} tokens) and max_tokens ({params.max_tokens}) need "
-                             f"{self.blocks.blocks_for(len(prompt) + params.max_tokens + drafts)} KV blocks; the "
-                             f"cache holds {self.blocks.room()} (pinned entries excluded)")
+                             f"{self.blocks.blocks_for(longest)} KV blocks; the cache holds {self.blocks.room()} "
+                             "(pinned entries excluded)")
         vocab = self.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
                           ("allowed_token_ids", params.allowed_token_ids or []),
