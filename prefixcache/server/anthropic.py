@@ -17,9 +17,9 @@ from prefixcache.cache.policy import Breakpoint
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import Prompt, fields, render
 from prefixcache.server.auth import client_salt, principal
-from prefixcache.server.principal import Principal
 from prefixcache.server.errors import ApiError, Strict
 from prefixcache.server.generation import Generation
+from prefixcache.server.principal import Principal
 from prefixcache.server.tools import Holdback, ToolUse
 
 MAX_BREAKPOINTS = 4

@@ -26,12 +26,12 @@ from prefixcache.engine.engine import Engine
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import encode_system
 from prefixcache.server.auth import Keys, authenticate
-from prefixcache.server.principal import Principal
 from prefixcache.server.errors import ApiError, invalid
 from prefixcache.server.generation import Generation
 from prefixcache.server.limits import RateLimits
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.oidc import OidcConfig, OidcVerifier
+from prefixcache.server.principal import Principal
 from prefixcache.server.worker import EngineWorker
 from prefixcache.slo import Objectives, positive_ms
 

@@ -11,9 +11,9 @@ from pydantic import ValidationError
 
 from prefixcache.server.anthropic import MessagesRequest, build_prompt
 from prefixcache.server.auth import principal
-from prefixcache.server.principal import Principal
 from prefixcache.server.errors import Strict, invalid
 from prefixcache.server.openai import ChatRequest, CompletionRequest, completion_prompt
+from prefixcache.server.principal import Principal
 
 router = APIRouter()
 

@@ -20,11 +20,11 @@ from prefixcache.engine.grammar import Guide
 from prefixcache.engine.sequence import SamplingParams, best
 from prefixcache.prompt import Prompt, fields, render
 from prefixcache.server.auth import client_salt, principal
-from prefixcache.server.principal import Principal
 from prefixcache.server.errors import ApiError, Strict
 from prefixcache.server.extensions import Extensions
 from prefixcache.server.generation import Generation
 from prefixcache.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs, prompt_logprobs
+from prefixcache.server.principal import Principal
 from prefixcache.server.tools import Holdback, ToolUse
 
 DEFAULT_MAX_TOKENS = 256

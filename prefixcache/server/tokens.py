@@ -12,9 +12,9 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import Field, ValidationError, model_validator
 
 from prefixcache.server.auth import principal
-from prefixcache.server.principal import Principal
 from prefixcache.server.errors import ApiError, Strict, invalid
 from prefixcache.server.openai import ChatRequest, Common, CompletionRequest, Message, completion_prompt
+from prefixcache.server.principal import Principal
 
 router = APIRouter()
 
