@@ -254,6 +254,9 @@ def test_prometheus_scrapes_every_server_with_an_admin_key_from_a_secret_and_gra
     assert {(host, int(port)) for host, port in scraped} == servers
     mounts = {v.split(":")[1]: v.split(":")[0] for v in services["prometheus"]["volumes"]}
     assert mounts["/etc/prometheus/prometheus.yml"] == "./prometheus.yml"
+    assert [mounts[f] for f in prometheus["rule_files"]] == ["./prometheus-rules.yml"]
+    replicas = [parse(s["command"]) for s in services.values() if commands(s) and s["command"][1] == "serve"]
+    assert all(r.slo_ttft_ms and r.slo_tpot_ms for r in replicas)  # the alert needs their objectives
     for job in prometheus["scrape_configs"]:  # the key is a file (a secret the service mounts), never a value
         auth = job["authorization"]
         assert set(auth) == {"type", "credentials_file"} and auth["type"] == "Bearer"
@@ -268,8 +271,8 @@ def test_prometheus_scrapes_every_server_with_an_admin_key_from_a_secret_and_gra
 
 
 def test_every_series_the_dashboard_queries_is_on_a_live_servers_metrics(tiny_model, tmp_path):
-    """A server with an L2 tier, after one request: every family a panel's PromQL names exists on its /metrics
-    (a counter's _total, a histogram's _bucket are the family's samples)."""
+    """A server with an L2 tier and latency objectives, after one request: every family a panel's PromQL or an
+    alert rule names exists on its /metrics (a counter's _total, a histogram's _bucket are the family's samples)."""
     from server_fixtures import _start, metrics
 
     from prefixcache.config import Config
@@ -277,7 +280,8 @@ def test_every_series_the_dashboard_queries_is_on_a_live_servers_metrics(tiny_mo
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk-admin": {"tenant": "ops", "admin": True}}))
     srv = _start("grafana-l2", ServeConfig(Config(model=tiny_model, kv_cache_bytes=2 * 2**20, min_cache_tokens=0,
-                                                 disk_cache=str(tmp_path / "l2")), api_keys=str(keys)))
+                                                 disk_cache=str(tmp_path / "l2")), api_keys=str(keys),
+                                      slo_ttft_ms=2000, slo_tpot_ms=200))
     import httpx
 
     r = httpx.post(f"{srv.url}/v1/completions", headers={"Authorization": "Bearer sk-admin"},
@@ -290,6 +294,10 @@ def test_every_series_the_dashboard_queries_is_on_a_live_servers_metrics(tiny_mo
     dashboard = json.loads(Path(GRAFANA, "prefixcache.json").read_text())
     queried = {m for panel in dashboard["panels"] for t in panel["targets"] for m in SERIES.findall(t["expr"])}
     assert len(queried) >= 15
+    rules = documents(os.path.join(DEPLOY, "prometheus-rules.yml"))[0]["groups"]
+    alerted = {m for g in rules for rule in g["rules"] for m in SERIES.findall(rule["expr"])}
+    assert alerted == {"prefixcache:slo_requests_total"}
+    queried |= alerted
     missing = {m for m in queried if not {m, re.sub(r"_(total|bucket|sum|count)$", "", m)} & families}
     assert not missing, missing
 
