@@ -1,6 +1,5 @@
 """prefixcache command line: generate | convert | serve | route | bench | lint | diff | doctor."""
 import argparse
-import json
 import sys
 
 from prefixcache.options import add_engine_options, default, size
@@ -57,19 +56,18 @@ def budget_list(text: str) -> list[int]:
 def cmd_plan(args) -> None:
     from prefixcache.bench import plan
 
-    points = plan.plan(args.log, args.budgets, args.policy, args.ttl, args.model or "", args.min_cache_tokens,
-                       args.seed, errors=args.trace_errors)
-    measured = plan.validate(args.log, args.budgets, args.min_cache_tokens, args.seed) if args.validate else None
+    workload = plan.load(args.log, args.seed, errors=args.trace_errors)
+    points = plan.plan(workload, args.budgets, args.policy, args.ttl, args.model or "", args.min_cache_tokens)
+    measured = plan.validate(workload, args.budgets, args.min_cache_tokens, args.seed) if args.validate else None
     if args.json:
         for i, p in enumerate(points):
-            print(plan.as_json(p) if measured is None else plan.as_json(p)[:-1] + f', "measured_hit_rate": '
-                  f'{json.dumps(measured[i])}}}')
+            print(plan.as_json(p, **({} if measured is None else {"measured_hit_rate": measured[i]})))
         return
     print(plan.markdown(points))
     if measured is not None:
         print("\n| budget | predicted hit rate | measured (live, 1 user) | difference |\n|---|---|---|---|")
         for p, m in zip(points, measured):
-            print(f"| {plan._mib(p.budget_bytes)} | {p.hit_rate:.3f} | {m:.3f} | {m - p.hit_rate:+.3f} |")
+            print(f"| {plan.mib(p.budget_bytes)} | {p.hit_rate:.3f} | {m:.3f} | {m - p.hit_rate:+.3f} |")
     if args.plot:
         print(f"wrote {plan.plot(points, f'{args.log}: hit rate against KV memory', args.plot)}")
 

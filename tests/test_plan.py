@@ -28,7 +28,7 @@ SYSTEM = {t: f"You are the assistant of {t}. " + " ".join(f"{t} rule {i}." for i
 
 def test_more_memory_holds_more_of_each_tenants_prefix(tmp_path, tiny_model):
     rows = [chat(t, SYSTEM[t], f"question {i}?") for i in range(3) for t in "ab"]
-    points = plan.plan(log(tmp_path, rows), [40 * BLOCK_BYTES, 400 * BLOCK_BYTES], model=tiny_model)
+    points = plan.plan(plan.load(log(tmp_path, rows)), [40 * BLOCK_BYTES, 400 * BLOCK_BYTES], model=tiny_model)
     small, large = points
     assert small.prompt_tokens == large.prompt_tokens > 0 and (small.blocks, large.blocks) == (39, 399)  # block 0: zeros
     assert large.hit_rate > small.hit_rate and small.evicted_blocks > large.evicted_blocks == 0
@@ -42,18 +42,19 @@ def test_more_memory_holds_more_of_each_tenants_prefix(tmp_path, tiny_model):
 def test_entries_expire_on_the_logs_clock(tmp_path, tiny_model):
     rows = [chat("a", SYSTEM["a"], "first?", 0.0), chat("a", SYSTEM["a"], "again?", 600.0)]
     path, budget = log(tmp_path, rows), [400 * BLOCK_BYTES]
-    [kept] = plan.plan(path, budget, model=tiny_model)
-    [expired] = plan.plan(path, budget, policy="ttl", ttl=300, model=tiny_model)  # 10 minutes apart, 5 to live
-    [alive] = plan.plan(path, budget, policy="ttl", ttl=3600, model=tiny_model)
+    [kept] = plan.plan(plan.load(path), budget, model=tiny_model)
+    # 10 minutes apart, 5 to live
+    [expired] = plan.plan(plan.load(path), budget, policy="ttl", ttl=300, model=tiny_model)
+    [alive] = plan.plan(plan.load(path), budget, policy="ttl", ttl=3600, model=tiny_model)
     assert kept.cached_tokens > 0 and alive.cached_tokens == kept.cached_tokens and expired.cached_tokens == 0
 
 
 def test_requests_a_live_server_refuses_are_counted_as_refused(tmp_path, tiny_model):
     """Larger than the whole budget, or than the context window (the tiny model's: 2,048 tokens)."""
-    [p] = plan.plan(log(tmp_path, [chat("a", SYSTEM["a"], "q?")]), [4 * BLOCK_BYTES], model=tiny_model)
+    [p] = plan.plan(plan.load(log(tmp_path, [chat("a", SYSTEM["a"], "q?")])), [4 * BLOCK_BYTES], model=tiny_model)
     assert p.refused_requests == 1 and p.prompt_tokens == 0
     rows = [chat("a", SYSTEM["a"], "q?"), chat("a", "word " * 2500, "q?")]
-    [p] = plan.plan(log(tmp_path, rows), [400 * BLOCK_BYTES], model=tiny_model)
+    [p] = plan.plan(plan.load(log(tmp_path, rows)), [400 * BLOCK_BYTES], model=tiny_model)
     assert p.refused_requests == 1 and 0 < p.prompt_tokens < 2048
 
 
@@ -65,7 +66,7 @@ def test_requests_a_live_server_refuses_are_counted_as_refused(tmp_path, tiny_mo
 def test_bad_plans_are_clear_errors(tmp_path, tiny_model, kw, message):
     args = {"budgets": [100 * BLOCK_BYTES], **kw}
     with pytest.raises(ValueError, match=message):
-        plan.plan(log(tmp_path, [chat("a", "x", "y")]), model=tiny_model, **args)
+        plan.plan(plan.load(log(tmp_path, [chat("a", "x", "y")])), model=tiny_model, **args)
 
 
 def test_the_command_prints_a_table_json_and_a_plot(tmp_path, tiny_model):

@@ -131,13 +131,12 @@ def _main(args, name: str, folder: str, size: Size, workloads: list, bench) -> N
     from prefixcache.bench import plots
     from prefixcache.bench.driver import Target
     from prefixcache.bench.runs import compare, measure, on_off
+    from prefixcache.models.exactness import cpu_info
 
     prices = bench.prices
     load = (f"{args.rate} req/s Poisson (open loop)" if args.rate else
             "Poisson arrivals of sessions at each rate below (open loop)" if args.action == "goodput" else
             f"{args.users} concurrent users (closed loop)")
-    from prefixcache.models.exactness import cpu_info
-
     setup = (f"CPU: {cpu_info()}. Load: {load}, seed {args.seed}, temperature 0. "
              "Servers started here: SmolLM2-135M-Instruct, "
              f"--min-cache-tokens {args.min_cache_tokens}, --kv-cache-bytes {args.kv_cache_bytes}. {prices_note(prices)}")

@@ -54,8 +54,18 @@ class Point:
     replay_s: float
 
 
-def plan(log: str, budgets: list[int], policy: str = "lru", ttl: float | None = None, model: str = "",
-         min_cache_tokens: int = 0, seed: int = 0, size: Size | None = None, errors: str = "refuse") -> list[Point]:
+def load(log: str, seed: int = 0, size: Size | None = None, errors: str = "refuse") -> Workload:
+    """The log as a workload: a built-in workload's name, a Mooncake-style trace, or a JSONL of API requests."""
+    if log not in GENERATORS and _is_trace(log):
+        workload, problems = load_trace(log, errors=errors)
+        for p in problems:
+            print(f"prefixcache plan: {log}: skipped {p}")
+        return workload
+    return build(log, seed, size or Size())
+
+
+def plan(workload: Workload, budgets: list[int], policy: str = "lru", ttl: float | None = None, model: str = "",
+         min_cache_tokens: int = 0) -> list[Point]:
     """One Point per budget (bytes of KV for the real model)."""
     if policy not in POLICIES:
         raise ValueError(f"--policy: one of {', '.join(POLICIES)}, got {policy!r}")
@@ -67,7 +77,7 @@ def plan(log: str, budgets: list[int], policy: str = "lru", ttl: float | None = 
         if b // geometry["block_bytes"] < 2:
             raise ValueError(f"--budgets: {b} bytes is less than two KV blocks of this model "
                              f"({geometry['block_bytes']} bytes each)")
-    requests = _requests(log, real, seed, size or Size(), errors)
+    requests = _requests(workload, real)
     return [_replay(geometry, b, requests, policy, ttl, min_cache_tokens, _costs()) for b in budgets]
 
 
@@ -84,7 +94,7 @@ def markdown(points: list[Point]) -> str:
     for p in points:
         mark = " (knee)" if p is k else ""
         ttft = [f"{t:.3f}" if t is not None else "n/a" for t in (p.ttft_mean_s, p.ttft_p90_s)]
-        lines.append(f"| {_mib(p.budget_bytes)}{mark} | {p.blocks} | {p.hit_rate:.3f} | {p.saved_prefill_tokens:,} |"
+        lines.append(f"| {mib(p.budget_bytes)}{mark} | {p.blocks} | {p.hit_rate:.3f} | {p.saved_prefill_tokens:,} |"
                      f" {p.evicted_blocks:,} | {p.refused_requests} | {ttft[0]} | {ttft[1]} |")
     return "\n".join(lines)
 
@@ -96,7 +106,7 @@ def plot(points: list[Point], title: str, path: str) -> str:
     fig, ax = plt.subplots(figsize=(6, 3.8))
     ax.plot([p.budget_bytes / 2**20 for p in points], [p.hit_rate for p in points], "o-", color="tab:green")
     ax.plot([k.budget_bytes / 2**20], [k.hit_rate], "o", markersize=12, markerfacecolor="none", color="black",
-            label=f"knee: {_mib(k.budget_bytes)}")
+            label=f"knee: {mib(k.budget_bytes)}")
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 1)
     ax.set_xlabel("KV cache budget (MiB)")
@@ -106,12 +116,12 @@ def plot(points: list[Point], title: str, path: str) -> str:
     return _save(fig, path)
 
 
-def as_json(p: Point) -> str:
-    return json.dumps(asdict(p))
+def as_json(p: Point, **extra) -> str:
+    return json.dumps({**asdict(p), **extra})
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
-def _mib(b: int) -> str:
+def mib(b: int) -> str:
     return f"{b / 2**30:g} GiB" if b >= 2**30 else f"{b / 2**20:g} MiB"
 
 
@@ -124,41 +134,33 @@ def _real_folder(model: str) -> str:
 
 
 def _geometry(folder: str) -> dict:
+    """The real model's KV block: its layers, KV heads and head size (as the engine reads them), float32 as served."""
+    import torch
+
+    from prefixcache.cache.pool import KVPool
     from prefixcache.config import Config
+    from prefixcache.models.loader import read_config
 
-    with open(os.path.join(folder, "config.json")) as f:
-        hf = json.load(f)
-    heads = hf["num_attention_heads"]
-    kv_heads, head_dim = hf.get("num_key_value_heads", heads), hf.get("head_dim") or hf["hidden_size"] // heads
-    g = {"layers": hf["num_hidden_layers"], "kv_heads": kv_heads, "head_dim": head_dim, "block_size": Config.block_size,
-         "context": hf.get("max_position_embeddings", 8192)}
-    return {**g, "block_bytes": 2 * g["layers"] * g["block_size"] * kv_heads * head_dim * 4}  # float32 KV, as served
+    m = read_config(folder)
+    g = {"layers": m.num_layers, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "block_size": Config.block_size,
+         "context": m.max_position}
+    return {**g, "block_bytes": KVPool.bytes_per_block(*(g[k] for k in ("layers", "kv_heads", "head_dim",
+                                                                          "block_size")), torch.float32)}
 
 
-def _requests(log: str, folder: str, seed: int, size: Size, errors: str) -> list[Request]:
+def _requests(workload: Workload, folder: str) -> list[Request]:
     from transformers import AutoTokenizer
 
     from prefixcache.prompt import fields, render
 
-    if log in GENERATORS:
-        workload = build(log, seed, size)
-    elif _is_trace(log):
-        workload, problems = load_trace(log, errors=errors)
-        for p in problems:
-            print(f"prefixcache plan: {log}: skipped {p}")
-    else:
-        workload = build(log, seed, size)  # a JSONL of API requests
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    starts = arrivals(workload, Load()) if _timed(workload) else [0.0] * len(workload.sessions)
     out = []
-    for session, start in zip(workload.sessions, arrivals(workload, Load(users=1, rate=None, seed=seed))
-                              if _timed(workload) else [0.0] * len(workload.sessions)):
-        history = []
-        for turn in session.turns:
-            messages = history + turn.messages if session.carry else turn.messages
+    for session, start in zip(workload.sessions, starts):
+        for turn, messages in session.logged():
             prompt = turn.prompt_ids or render(tokenizer, fields({"messages": messages, "tools": session.tools})
                                                 ).token_ids
             out.append(Request(session.tenant, prompt, turn.max_tokens, turn.arrival or start))
-            history = messages  # replies are not in a log: later turns carry the earlier prompts
     return sorted(out, key=lambda r: r.arrival)  # stable: a log without times replays in its order
 
 
@@ -195,13 +197,13 @@ def _replay(geometry: dict, budget: int, requests: list[Request], policy: str, t
     output = iter(range(TOKENS_FOR_OUTPUT[0], TOKENS_FOR_OUTPUT[1]))
     for r in requests:
         now[0] = r.arrival
-        seq = Sequence(r.prompt, SamplingParams(max_tokens=max(r.max_tokens, 1), ignore_eos=True),
-                       CacheScope(r.tenant))
-        blocks.prepare(seq)
         out = min(r.max_tokens, g["context"] - len(r.prompt))  # the output stops at the context window
-        if out < 1 or not blocks.fits(len(r.prompt) + out) or not blocks.admit(seq):
+        if out < 1 or not blocks.fits(len(r.prompt) + out):
             refused += 1  # longer than the context, or than the whole budget: a live server answers it 400
             continue
+        seq = Sequence(r.prompt, SamplingParams(max_tokens=out, ignore_eos=True), CacheScope(r.tenant))
+        blocks.prepare(seq)
+        assert blocks.admit(seq), "a sequence that fits the pool alone is admitted"
         seq.num_computed = len(seq.tokens)  # the prefill
         blocks.publish(seq)
         if blocks.grow(seq, out):  # the decode: every output token but the last is computed
@@ -231,7 +233,7 @@ def _costs(path: str = ENGINE_BENCH) -> tuple[float, float] | None:
     return (t1 - b * 1024**2) / 1024, b
 
 
-def validate(log: str, budgets: list[int], min_cache_tokens: int = 0, seed: int = 0, size: Size | None = None,
+def validate(workload: Workload, budgets: list[int], min_cache_tokens: int = 0, seed: int = 0,
              server_log: str | None = None) -> list[float | None]:
     """The hit rate a live server of ours (the real model) measures at each budget, driven by one user in the
     log's order (or its arrival times), its cache emptied before each run: what the plan predicts."""
@@ -240,14 +242,13 @@ def validate(log: str, budgets: list[int], min_cache_tokens: int = 0, seed: int 
     from prefixcache.bench.runs import Bench, local, measure
     from prefixcache.bench.server import ServerOptions, Servers
 
-    workload = load_trace(log)[0] if log not in GENERATORS and _is_trace(log) else build(log, seed, size or Size())
     servers = Servers(workload.tenants, server_log)
     try:
         bench = Bench(Load(users=1, seed=seed), Prices(), ServerOptions(min_cache_tokens=min_cache_tokens), servers)
         out = []
         for budget in budgets:
             srv = local(bench, kv_cache_bytes=budget)
-            s, _ = measure(workload, Target("live", srv.url, srv.keys), bench, f"live, {_mib(budget)}", srv)
+            s, _ = measure(workload, Target("live", srv.url, srv.keys), bench, f"live, {mib(budget)}", srv)
             out.append(s["hit_rate_tokens"])
         return out
     finally:

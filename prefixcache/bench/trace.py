@@ -69,9 +69,7 @@ def export_trace(workload: Workload, target: Target, load: Load, path: str) -> i
     ids: dict[str, int] = {}
     with httpx.Client(timeout=120) as client, open(path, "w") as out:
         for session, arrival in zip(workload.sessions, arrivals(workload, load)):
-            history = []
-            for turn in session.turns:
-                messages = history + turn.messages if session.carry else turn.messages
+            for turn, messages in session.logged():
                 body = {"model": "default", "messages": messages, **({"tools": session.tools} if session.tools else {})}
                 key = target.keys.get(session.tenant)
                 headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -85,7 +83,6 @@ def export_trace(workload: Workload, target: Target, load: Load, path: str) -> i
                 hashes = _hash_ids(keys.json()["keys"], length, block_size, ids)
                 out.write(json.dumps({"timestamp": round((turn.arrival or arrival) * 1000), "input_length": length,
                                       "output_length": turn.max_tokens, "hash_ids": hashes}) + "\n")
-                history = messages  # the replies are not known here: later turns carry the earlier prompts
     return workload.num_requests
 
 

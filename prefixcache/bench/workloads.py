@@ -40,6 +40,15 @@ class Session:
     tools: list[dict] | None = None
     carry: bool = False  # multi-turn: each request includes the earlier turns and replies
 
+    def logged(self) -> list[tuple[Turn, list[dict]]]:
+        """Each turn with the messages a log of it holds: with carry, the earlier turns' messages before its own
+        (the replies are the server's, not the log's)."""
+        out, history = [], []
+        for turn in self.turns:
+            history = history + turn.messages if self.carry else turn.messages
+            out.append((turn, history))
+        return out
+
 
 @dataclass
 class Workload:

@@ -16,7 +16,7 @@ class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, budget_bytes: int,
                  dtype: torch.dtype, run: int = 1):
         self.block_size = block_size
-        self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        self.block_bytes = self.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
         self.num_blocks = budget_bytes // self.block_bytes
         assert self.num_blocks >= 2, f"KV budget {budget_bytes} B holds fewer than 2 blocks"
         shape = (num_layers, self.num_blocks * block_size, num_kv_heads, head_dim)
@@ -28,6 +28,12 @@ class KVPool:
         self.is_free = np.ones(self.num_blocks, dtype=bool)
         self.is_free[0] = False
         self.num_free = self.num_blocks - 1
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        dtype: torch.dtype) -> int:
+        """Keys and values of block_size tokens in every layer."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     @property
     def usable_blocks(self) -> int:

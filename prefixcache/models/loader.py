@@ -147,10 +147,31 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+def read_config(path: str) -> ModelConfig:
+    """An HF folder's model config, from config.json and its tensors' names: no weight is read."""
+    from safetensors import safe_open
+
+    names = set()
+    for f in _safetensors(path):
+        with safe_open(os.path.join(path, f), "pt") as st:
+            names.update(st.keys())
+    return _config(_hf_config(path), names)
+
+
 def _load_hf_dir(path: str):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
+    hf = _hf_config(path)
+    tensors = {}
+    for f in _safetensors(path):
+        tensors.update(load_file(os.path.join(path, f)))
+    config = _config(hf, tensors)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return _with_eos(config, tokenizer), tensors, tokenizer
+
+
+def _hf_config(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"no config.json in {path}")
@@ -160,14 +181,19 @@ def _load_hf_dir(path: str):
         raise ValueError(f"unsupported model_type {hf.get('model_type')!r}; supported: {ARCHITECTURES}")
     if hf.get("rope_scaling"):  # e.g. Llama 3.1's "llama3" scaling: refuse rather than compute wrong RoPE
         raise ValueError(f"rope_scaling {hf['rope_scaling']!r} is not supported yet")
+    return hf
+
+
+def _safetensors(path: str) -> list[str]:
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {path}")
-    tensors = {}
-    for f in files:
-        tensors.update(load_file(os.path.join(path, f)))
+    return files
+
+
+def _config(hf: dict, tensor_names) -> ModelConfig:
     heads = hf["num_attention_heads"]
-    config = ModelConfig(
+    return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
         num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, rope_theta=float(hf.get("rope_theta", 10000.0)),
@@ -175,11 +201,10 @@ def _load_hf_dir(path: str):
         # full attention only: a sliding-window model is exact up to its window
         max_position=min(hf["max_position_embeddings"],
                          hf.get("use_sliding_window", True) and hf.get("sliding_window") or hf["max_position_embeddings"]),
-        tie_embeddings="lm_head.weight" not in tensors,
-        attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors, eos_token_ids=_ids(hf.get("eos_token_id")),
+        tie_embeddings="lm_head.weight" not in tensor_names,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in tensor_names,
+        eos_token_ids=_ids(hf.get("eos_token_id")),
     )
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return _with_eos(config, tokenizer), tensors, tokenizer
 
 
 def _ids(value) -> tuple[int, ...]:
