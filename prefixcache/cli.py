@@ -53,12 +53,23 @@ def budget_list(text: str) -> list[int]:
     return out
 
 
+def tier_sizes(text: str) -> dict[str, int]:
+    from prefixcache.bench.plan_tiers import parse
+
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_plan(args) -> None:
     from prefixcache.bench import plan
 
     workload = plan.load(args.log, args.seed, errors=args.trace_errors)
-    points = plan.plan(workload, args.budgets, args.policy, args.ttl, args.model or "", args.min_cache_tokens)
-    measured = plan.validate(workload, args.budgets, args.min_cache_tokens, args.seed) if args.validate else None
+    points = plan.plan(workload, args.budgets, args.policy, args.ttl, args.model or "", args.min_cache_tokens,
+                       args.tiers)
+    measured = (plan.validate(workload, args.budgets, args.min_cache_tokens, args.seed, args.tiers, args.model or "")
+                if args.validate else None)
     if args.json:
         for i, p in enumerate(points):
             print(plan.as_json(p, **({} if measured is None else {"measured_hit_rate": measured[i]})))
@@ -67,7 +78,8 @@ def cmd_plan(args) -> None:
     if measured is not None:
         print("\n| budget | predicted hit rate | measured (live, 1 user) | difference |\n|---|---|---|---|")
         for p, m in zip(points, measured):
-            print(f"| {plan.mib(p.budget_bytes)} | {p.hit_rate:.3f} | {m:.3f} | {m - p.hit_rate:+.3f} |")
+            live = "n/a (nothing served)" if m is None else f"{m:.3f} | {m - p.hit_rate:+.3f}"
+            print(f"| {plan.mib(p.budget_bytes)} | {plan.rate(p)} | {live} |")
     if args.plot:
         print(f"wrote {plan.plot(points, f'{args.log}: hit rate against KV memory', args.plot)}")
 
@@ -163,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=["lru", "fair", "ttl"], default="lru",
                    help="lru: as served; fair: equal per-tenant shares; ttl: entries live --ttl seconds")
     p.add_argument("--ttl", type=float, default=None, help="--policy ttl: seconds")
+    p.add_argument("--tiers", type=tier_sizes, default=None, metavar="disk:SIZE,redis:SIZE",
+                   help="KV tiers below memory: L2 on disk, L3 in Redis (its maxmemory), each of this size")
     p.add_argument("--model", default=None, help="the model whose KV geometry sizes a block (default: the default)")
     p.add_argument("--min-cache-tokens", type=int, default=0)
     p.add_argument("--seed", type=int, default=0, help="for built-in workloads")

@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from prefixcache.bench import plan
+from prefixcache.bench import plan, plan_tiers
+from prefixcache.bench.redis_lru import RedisLedger
 
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # the tiny model: 2 layers, 2 KV heads of 16, blocks of 16 tokens, fp32
 
@@ -80,3 +82,96 @@ def test_the_command_prints_a_table_json_and_a_plot(tmp_path, tiny_model):
     assert [json.loads(x)["budget_bytes"] for x in lines] == [40 * BLOCK_BYTES, 400 * BLOCK_BYTES]
     bad = subprocess.run([*run[:-2], "--budgets", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "budgets must be positive" in bad.stderr
+
+
+def test_blocks_evicted_from_memory_are_found_on_disk(tmp_path, tiny_model):
+    """L2 keeps what L1 evicts for room (as many as fit), and a later request loads it past its L1 match."""
+    rows = [chat(t, SYSTEM[t], f"question {i}?") for i in range(3) for t in "ab"]
+    workload, small = plan.load(log(tmp_path, rows)), [40 * BLOCK_BYTES]
+    [memory] = plan.plan(workload, small, model=tiny_model)
+    [disk] = plan.plan(workload, small, model=tiny_model, tiers={"L2": 10**9})
+    one = plan_tiers.block_sizes((2, 16, 2, 16), torch.float32, "")["L2"]
+    [one_block] = plan.plan(workload, small, model=tiny_model, tiers={"L2": one})
+    [large] = plan.plan(workload, [400 * BLOCK_BYTES], model=tiny_model)
+    assert memory.tier_tokens == {} and disk.tier_tokens["L2"] > 0
+    assert memory.hit_rate < disk.hit_rate <= large.hit_rate and disk.evicted_blocks == memory.evicted_blocks
+    assert one_block.tier_tokens["L2"] < disk.tier_tokens["L2"] and one_block.hit_rate < disk.hit_rate
+
+
+def test_redis_keeps_every_block_until_its_ttl_on_the_logs_clock(tmp_path, tiny_model):
+    """L3 is written through, so a block evicted from L1 is there, until redis_ttl (an hour) has passed."""
+    def replay(gap: float):
+        rows = [chat("a", SYSTEM["a"], "first?", 0.0), chat("b", SYSTEM["b"], "evict a", gap / 2),
+                chat("a", SYSTEM["a"], "again?", gap)]
+        return plan.plan(plan.load(log(tmp_path, rows)), [30 * BLOCK_BYTES], model=tiny_model,
+                         tiers={"L3": 10**9})[0]
+    soon, late = replay(600.0), replay(7200.0)
+    assert soon.tier_tokens["L3"] > 0 and soon.cached_tokens >= soon.tier_tokens["L3"]
+    assert late.tier_tokens.get("L3", 0) == 0 and late.cached_tokens < soon.cached_tokens
+
+
+@pytest.mark.parametrize("text, message", [
+    ("tape:1GiB", "parts are disk:SIZE and redis:SIZE"), ("disk:8GiB,disk:1GiB", "disk given twice"),
+    ("redis:0", "not a positive size"), ("disk", "parts are"),
+])
+def test_bad_tiers_are_clear_errors(text, message):
+    with pytest.raises(ValueError, match=message):
+        plan_tiers.parse(text)
+
+
+def test_a_tier_smaller_than_a_block_is_a_clear_error(tmp_path, tiny_model):
+    with pytest.raises(ValueError, match="L2's 100 bytes hold no block"):
+        plan.plan(plan.load(log(tmp_path, [chat("a", "x", "y")])), [100 * BLOCK_BYTES], model=tiny_model,
+                  tiers={"L2": 100})
+
+
+def test_the_prediction_with_a_disk_tier_is_what_a_live_server_measures(tmp_path, tiny_model):
+    """The tiny model served for real (a subprocess with --disk-cache), one user replaying the log."""
+    rows = [chat(t, SYSTEM[t], f"question {i}?") for i in range(3) for t in "ab"] + [chat("a", SYSTEM["a"], "last?")]
+    workload, budgets, tiers = plan.load(log(tmp_path, rows)), [30 * BLOCK_BYTES, 40 * BLOCK_BYTES], {"L2": 2**20}
+    predicted = plan.plan(workload, budgets, model=tiny_model, tiers=tiers)
+    measured = plan.validate(workload, budgets, tiers=tiers, model=tiny_model)
+    [memory_only] = plan.plan(workload, budgets[:1], model=tiny_model)
+    assert all(p.tier_tokens["L2"] > 0 for p in predicted) and memory_only.hit_rate < predicted[0].hit_rate
+    assert [round(p.hit_rate, 3) for p in predicted] == [round(m, 3) for m in measured]
+
+
+def test_the_redis_model_evicts_by_sampling_within_a_second_and_by_age_across_seconds():
+    """Redis's volatile-lru: an idle time in whole seconds, 5 keys sampled per eviction, a pool of the 16 idlest."""
+    now = [0.0]
+    def fill(ledger, start: int, n: int):
+        for i in range(start, start + n):
+            ledger.room(100)
+            ledger.add("o", f"k{i}", 100, 3600, now[0])
+    same_second = RedisLedger(100 * 100, lambda: now[0], seed=1)
+    fill(same_second, 0, 200)  # 100 fit; all written in one second: which survive is a draw
+    survivors = {int(k[1:]) for k in same_second.entries}
+    assert len(survivors) == 100 and min(survivors) < 100 and same_second.evicted == 100
+    again = RedisLedger(100 * 100, lambda: now[0], seed=1)
+    fill(again, 0, 200)
+    assert set(again.entries) == set(same_second.entries)  # one seeded draw: the same log, the same answer
+    aged = RedisLedger(100 * 100, lambda: now[0], seed=1)
+    fill(aged, 0, 100)
+    now[0] = 60.0
+    fill(aged, 100, 50)  # a minute later: the idle ones go first, nearly always
+    assert sum(int(k[1:]) >= 100 for k in aged.entries) == 50
+
+
+def test_the_redis_model_drops_expired_keys_before_it_evicts():
+    now = [0.0]
+    ledger = RedisLedger(10 * 100, lambda: now[0])
+    for i in range(10):
+        ledger.add("o", f"old{i}", 100, 5 if i < 4 else 3600, now[0])
+    now[0] = 10.0
+    assert [k for k, _ in ledger.room(400)] == [] and len(ledger.entries) == 6 and ledger.bytes == 600
+    assert ledger.get("o", "old0", now[0]) is None and ledger.get("o", "old9", now[0]) is not None
+
+
+def test_a_full_redis_tier_gives_the_median_and_range_of_its_draws(tmp_path, tiny_model):
+    rows = [chat(t, SYSTEM[t], f"question {i}?", 10.0 * (3 * i + j)) for i in range(3) for j, t in enumerate("ab")]
+    workload = plan.load(log(tmp_path, rows))
+    one = plan_tiers.block_sizes((2, 16, 2, 16), torch.float32, "")["L3"]
+    [full] = plan.plan(workload, [30 * BLOCK_BYTES], model=tiny_model, tiers={"L3": 30 * one})
+    [room] = plan.plan(workload, [30 * BLOCK_BYTES], model=tiny_model, tiers={"L3": 10**9})
+    assert full.l3_evicted and full.hit_rate_range[0] <= full.hit_rate <= full.hit_rate_range[1]
+    assert not room.l3_evicted and room.hit_rate_range is None and room.hit_rate >= full.hit_rate_range[1]

@@ -9,6 +9,10 @@ asked for, of its own) grown and published, and it is released, as the engine do
 budget: the hit rate (cached prompt tokens over prompt tokens), saved prefill tokens, evicted blocks, and the TTFT
 the misses imply on this machine, from the engine benchmark's prefill times (bench/results/engine.json): t(u, c) =
 a u + b (u^2 + 2 u c) for u computed and c cached tokens, a and b fitted to its 1,024- and 4,096-token prefills.
+With tiers below L1 (`--tiers disk:SIZE,redis:SIZE`, plan_tiers.py), blocks evicted from L1 spill to L2, every block
+is written through to L3, and a request loads what they hold past its L1 match; the cached tokens then count those
+too (as a live server's do), each tier's are shown apart, and the TTFT adds their read time per block, measured by
+the tiers benchmark (bench/results/tiers.json).
 
 Replayed alone, the requests never overlap, as under a live load of one user; with many users concurrent requests
 share blocks being written, so a live hit rate can differ from the plan's by the requests that overlap.
@@ -18,17 +22,22 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, replace
 
 from prefixcache.bench.driver import Load, arrivals
+from prefixcache.bench.plan_tiers import LedgerTiers, block_sizes
 from prefixcache.bench.trace import load_trace
 from prefixcache.bench.workloads import GENERATORS, Size, Workload, build
 from prefixcache.cache.scope import CacheScope
+from prefixcache.config import Config
 from prefixcache.engine.sequence import SamplingParams
 
 POLICIES = ("lru", "fair", "ttl")
 TOKENS_FOR_OUTPUT = (10**9, 2 * 10**9)  # output token ids: each request's its own, never in any prompt
 ENGINE_BENCH = "bench/results/engine.json"
+TIERS_BENCH = "bench/results/tiers.json"
+DRAWS = 5
 
 
 @dataclass
@@ -49,8 +58,11 @@ class Point:
     saved_prefill_tokens: int
     evicted_blocks: int
     refused_requests: int  # longer than the context, or prompt and output than the budget (a live server: 400)
+    tier_tokens: dict[str, int]  # cached tokens loaded from L2 and L3 (in cached_tokens too)
+    hit_rate_range: tuple[float, float] | None  # over DRAWS of Redis's sampled eviction, when a full L3 evicted
     ttft_mean_s: float | None
     ttft_p90_s: float | None
+    l3_evicted: bool
     replay_s: float
 
 
@@ -65,8 +77,8 @@ def load(log: str, seed: int = 0, size: Size | None = None, errors: str = "refus
 
 
 def plan(workload: Workload, budgets: list[int], policy: str = "lru", ttl: float | None = None, model: str = "",
-         min_cache_tokens: int = 0) -> list[Point]:
-    """One Point per budget (bytes of KV for the real model)."""
+         min_cache_tokens: int = 0, tiers: dict[str, int] | None = None) -> list[Point]:
+    """One Point per budget (bytes of KV for the real model); `tiers` as plan_tiers.parse gives them."""
     if policy not in POLICIES:
         raise ValueError(f"--policy: one of {', '.join(POLICIES)}, got {policy!r}")
     if policy == "ttl" and not ttl:
@@ -77,8 +89,11 @@ def plan(workload: Workload, budgets: list[int], policy: str = "lru", ttl: float
         if b // geometry["block_bytes"] < 2:
             raise ValueError(f"--budgets: {b} bytes is less than two KV blocks of this model "
                              f"({geometry['block_bytes']} bytes each)")
+    for name, b in (tiers or {}).items():
+        if b < geometry["tier_bytes"][name]:
+            raise ValueError(f"--tiers: {name}'s {b} bytes hold no block ({geometry['tier_bytes'][name]} bytes each)")
     requests = _requests(workload, real)
-    return [_replay(geometry, b, requests, policy, ttl, min_cache_tokens, _costs()) for b in budgets]
+    return [_draws(geometry, b, requests, policy, ttl, min_cache_tokens, tiers or {}, _costs()) for b in budgets]
 
 
 def knee(points: list[Point], within: float = 0.95) -> Point:
@@ -89,12 +104,14 @@ def knee(points: list[Point], within: float = 0.95) -> Point:
 
 def markdown(points: list[Point]) -> str:
     k = knee(points)
-    lines = ["| budget | blocks | hit rate | saved prefill tokens | evicted blocks | refused | TTFT mean (s) | "
-             "TTFT p90 (s) |", "|---|---|---|---|---|---|---|---|"]
+    tiers = sorted({t for p in points for t in p.tier_tokens})
+    lines = ["| budget | blocks | hit rate | saved prefill tokens | " + "".join(f"from {t} | " for t in tiers) +
+             "evicted blocks | refused | TTFT mean (s) | TTFT p90 (s) |", "|---" * (8 + len(tiers)) + "|"]
     for p in points:
         mark = " (knee)" if p is k else ""
         ttft = [f"{t:.3f}" if t is not None else "n/a" for t in (p.ttft_mean_s, p.ttft_p90_s)]
-        lines.append(f"| {mib(p.budget_bytes)}{mark} | {p.blocks} | {p.hit_rate:.3f} | {p.saved_prefill_tokens:,} |"
+        lines.append(f"| {mib(p.budget_bytes)}{mark} | {p.blocks} | {rate(p)} | {p.saved_prefill_tokens:,} |"
+                     + "".join(f" {p.tier_tokens.get(t, 0):,} |" for t in tiers) +
                      f" {p.evicted_blocks:,} | {p.refused_requests} | {ttft[0]} | {ttft[1]} |")
     return "\n".join(lines)
 
@@ -121,6 +138,11 @@ def as_json(p: Point, **extra) -> str:
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
+def rate(p: Point) -> str:
+    """The hit rate, and its range over Redis's random draws where it has one."""
+    return f"{p.hit_rate:.3f}" + (f" ({p.hit_rate_range[0]:.3f}-{p.hit_rate_range[1]:.3f})" if p.hit_rate_range else "")
+
+
 def mib(b: int) -> str:
     return f"{b / 2**30:g} GiB" if b >= 2**30 else f"{b / 2**20:g} MiB"
 
@@ -138,14 +160,15 @@ def _geometry(folder: str) -> dict:
     import torch
 
     from prefixcache.cache.pool import KVPool
-    from prefixcache.config import Config
     from prefixcache.models.loader import read_config
 
     m = read_config(folder)
     g = {"layers": m.num_layers, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "block_size": Config.block_size,
          "context": m.max_position}
+    shape = (g["layers"], g["block_size"], g["kv_heads"], g["head_dim"])
     return {**g, "block_bytes": KVPool.bytes_per_block(*(g[k] for k in ("layers", "kv_heads", "head_dim",
-                                                                          "block_size")), torch.float32)}
+                                                                          "block_size")), torch.float32),
+            "tier_bytes": block_sizes(shape, torch.float32, TIERS_BENCH)}
 
 
 def _requests(workload: Workload, folder: str) -> list[Request]:
@@ -177,8 +200,21 @@ def _timed(workload: Workload) -> bool:
     return all(t.arrival is not None for s in workload.sessions for t in s.turns[:1])
 
 
+def _draws(geometry: dict, budget: int, requests: list[Request], policy: str, ttl: float | None,
+           min_cache_tokens: int, tiers: dict[str, int], costs: dict | None) -> Point:
+    """The replay; where a full L3 evicted, which blocks it kept is a random draw (bench/redis_lru.py): then the
+    median of DRAWS seeded replays, with their range."""
+    first = _replay(geometry, budget, requests, policy, ttl, min_cache_tokens, tiers, costs, 0)
+    if not first.l3_evicted:
+        return first
+    points = [first, *(_replay(geometry, budget, requests, policy, ttl, min_cache_tokens, tiers, costs, seed)
+                       for seed in range(1, DRAWS))]
+    points.sort(key=lambda p: p.hit_rate)
+    return replace(points[len(points) // 2], hit_rate_range=(points[0].hit_rate, points[-1].hit_rate))
+
+
 def _replay(geometry: dict, budget: int, requests: list[Request], policy: str, ttl: float | None,
-            min_cache_tokens: int, costs: tuple[float, float] | None) -> Point:
+            min_cache_tokens: int, tiers: dict[str, int], costs: dict | None, seed: int) -> Point:
     import torch
 
     from prefixcache.cache.pool import KVPool
@@ -190,10 +226,13 @@ def _replay(geometry: dict, budget: int, requests: list[Request], policy: str, t
     blocks = BlockManager(pool, True, min_cache_tokens, ttl if policy == "ttl" else None, [])
     now = [0.0]
     blocks.cache.clock = lambda: now[0]  # the log's time, so that TTLs expire as they would have
+    if tiers:
+        below = LedgerTiers(tiers, g["tier_bytes"], Config.redis_ttl, blocks.cache.clock, seed)
+        blocks.attach(below)
     if policy == "fair":
         tenants = sorted({r.tenant for r in requests})
         blocks.cache.set_shares({t: 1 / len(tenants) for t in tenants}, group=lambda owner: owner[0])
-    started, prompt, cached, ttfts, refused = time.perf_counter(), 0, 0, [], 0
+    started, prompt, cached, ttfts, refused, tier_tokens = time.perf_counter(), 0, 0, [], 0, Counter()
     output = iter(range(TOKENS_FOR_OUTPUT[0], TOKENS_FOR_OUTPUT[1]))
     for r in requests:
         now[0] = r.arrival
@@ -203,6 +242,8 @@ def _replay(geometry: dict, budget: int, requests: list[Request], policy: str, t
             continue
         seq = Sequence(r.prompt, SamplingParams(max_tokens=out, ignore_eos=True), CacheScope(r.tenant))
         blocks.prepare(seq)
+        blocks.prefetch(seq)
+        assert blocks.ready(seq), "the planner's tiers answer at once"
         assert blocks.admit(seq), "a sequence that fits the pool alone is admitted"
         seq.num_computed = len(seq.tokens)  # the prefill
         blocks.publish(seq)
@@ -210,41 +251,68 @@ def _replay(geometry: dict, budget: int, requests: list[Request], policy: str, t
             seq.tokens += [next(output) for _ in range(out)]
             seq.num_computed = len(seq.tokens) - 1
         blocks.release(seq, finished=True)
-        c = seq.cache.num_cached
+        c, loaded = seq.cache.num_cached, seq.cache.tier_tokens
         prompt, cached = prompt + len(r.prompt), cached + c
+        for tier, n in loaded.items():
+            tier_tokens[tier] += n
+        if costs and any(f"{t}_block_s" not in costs for t in loaded):
+            costs = None  # a tier's read time was not measured here: no TTFT is predicted
         if costs:
-            a, b = costs
+            a, b = costs["a"], costs["b"]
             u = len(r.prompt) - c
-            ttfts.append(a * u + b * (u * u + 2 * u * c))
+            reads = sum(n // g["block_size"] * costs[f"{t}_block_s"] for t, n in loaded.items())
+            ttfts.append(a * u + b * (u * u + 2 * u * c) + reads)
     evicted = sum(blocks.cache.evictions.values())
+    ttfts = ttfts if costs else []
     return Point(budget, pool.usable_blocks, cached / prompt if prompt else 0.0, prompt, cached, cached, evicted,
-                 refused, statistics.fmean(ttfts) if ttfts else None,
-                 sorted(ttfts)[math.ceil(0.9 * len(ttfts)) - 1] if ttfts else None, time.perf_counter() - started)
+                 refused, dict(tier_tokens), None, statistics.fmean(ttfts) if ttfts else None,
+                 sorted(ttfts)[math.ceil(0.9 * len(ttfts)) - 1] if ttfts else None,
+                 bool(tiers) and below.l3_evicted(), time.perf_counter() - started)
 
 
-def _costs(path: str = ENGINE_BENCH) -> tuple[float, float] | None:
-    """a, b of t(u, c) = a u + b (u^2 + 2 u c), from the engine benchmark's 1,024- and 4,096-token prefills."""
-    if not os.path.exists(path):
+def _costs(engine: str = ENGINE_BENCH, tiers: str = TIERS_BENCH) -> dict | None:
+    """a, b of t(u, c) = a u + b (u^2 + 2 u c), from the engine benchmark's 1,024- and 4,096-token prefills, and
+    the seconds to read one block from L2 and L3 (`L2_block_s`, `L3_block_s`), where the tiers benchmark ran."""
+    if not os.path.exists(engine):
         return None
-    with open(path) as f:
+    with open(engine) as f:
         e = json.load(f)["prefixcache"]
     t1, t4 = e["prefill_1024_s"], e["prefill_4096_s"]
     b = (t4 - 4 * t1) / (4096**2 - 4 * 1024**2)
-    return (t1 - b * 1024**2) / 1024, b
+    out = {"a": (t1 - b * 1024**2) / 1024, "b": b}
+    if os.path.exists(tiers):
+        with open(tiers) as f:
+            t = json.load(f)
+        out.update({f"{tier}_block_s": t[f"{tier.lower()}_read_s_per_block"] for tier in ("L2", "L3")
+                    if f"{tier.lower()}_read_s_per_block" in t})
+    return out
 
 
 def validate(workload: Workload, budgets: list[int], min_cache_tokens: int = 0, seed: int = 0,
-             server_log: str | None = None) -> list[float | None]:
+             tiers: dict[str, int] | None = None, model: str = "", server_log: str | None = None
+             ) -> list[float | None]:
     """The hit rate a live server of ours (the real model) measures at each budget, driven by one user in the
-    log's order (or its arrival times), its cache emptied before each run: what the plan predicts."""
+    log's order (or its arrival times), its cache emptied before each run: what the plan predicts. Tiers are a
+    folder of its own (L2) and a Redis of its own with `--maxmemory` the L3 size (L3), emptied with the cache."""
+    import secrets
+    import tempfile
+
     from prefixcache.bench.driver import Target
     from prefixcache.bench.report import Prices
     from prefixcache.bench.runs import Bench, local, measure
-    from prefixcache.bench.server import ServerOptions, Servers
+    from prefixcache.bench.server import RedisProcess, ServerOptions, Servers
+    from prefixcache.cache.credentials import TIER_SECRET_ENV
 
+    tiers = tiers or {}
+    os.environ.setdefault(TIER_SECRET_ENV, secrets.token_hex(32))
+    redis = RedisProcess(maxmemory=tiers["L3"]).start() if "L3" in tiers else None
+    disk = tempfile.TemporaryDirectory(prefix="plan-l2-") if "L2" in tiers else None
+    flags = ((("--disk-cache", disk.name, "--disk-cache-gb", str(tiers["L2"] / 2**30)) if disk else ()) +
+             (("--redis-url", redis.url) if redis else ()) + (("--model", model) if model else ()))
     servers = Servers(workload.tenants, server_log)
     try:
-        bench = Bench(Load(users=1, seed=seed), Prices(), ServerOptions(min_cache_tokens=min_cache_tokens), servers)
+        bench = Bench(Load(users=1, seed=seed), Prices(), ServerOptions(min_cache_tokens=min_cache_tokens,
+                                                                        extra=flags), servers)
         out = []
         for budget in budgets:
             srv = local(bench, kv_cache_bytes=budget)
@@ -253,3 +321,7 @@ def validate(workload: Workload, budgets: list[int], min_cache_tokens: int = 0, 
         return out
     finally:
         servers.close()
+        if redis:
+            redis.stop()
+        if disk:
+            disk.cleanup()

@@ -33,16 +33,18 @@ class RedisProcess:
     """A redis-server subprocess on a free port that keeps nothing on disk, with a password if given. stop() and
     start() again on the same port: a test kills Redis mid-run and brings it back."""
 
-    def __init__(self, password: str | None = None):
+    def __init__(self, password: str | None = None, maxmemory: int = 0):
         binary = shutil.which("redis-server")
         assert binary, "redis-server not found: `apt-get install redis-server` (the README's setup section)"
         self.binary, self.port, self.proc, self.password = binary, free_port(), None, password
+        self.maxmemory = maxmemory  # bytes; 0: no limit
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisProcess":
         auth = ["--requirepass", self.password] if self.password else []
         self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--maxmemory-policy", "volatile-lru", *auth],
+                                      "--appendonly", "no", "--maxmemory", str(self.maxmemory),
+                                      "--maxmemory-policy", "volatile-lru", *auth],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = self.client()
         deadline = time.monotonic() + 10

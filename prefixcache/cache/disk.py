@@ -14,25 +14,17 @@ import errno
 import os
 import shutil
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 
-
-@dataclass
-class Entry:
-    owner: str
-    size: int
-    expires_at: float
+from prefixcache.cache.ledger import Ledger
 
 
 class DiskTier:
     name = "L2"
 
     def __init__(self, root: str, budget_bytes: int):
-        self.root, self.budget = root, budget_bytes
+        self.root = root
         os.makedirs(root, exist_ok=True)
-        self.entries: OrderedDict[str, Entry] = OrderedDict()  # key hex -> entry, least recently used first
-        self.bytes = 0
+        self.index = Ledger(budget_bytes)
         self.full = 0  # writes refused by a full disk (ENOSPC): the block is simply not kept
         found = []
         for owner in os.listdir(root):
@@ -45,38 +37,39 @@ class DiskTier:
                 else:  # a temporary file from a write that never finished
                     os.unlink(path)
         for _, key, owner, size in sorted(found):
-            self.entries[key] = Entry(owner, size, float("inf"))
-            self.bytes += size
-        self._shrink(0)
+            if size > budget_bytes:
+                os.unlink(self._path(owner, key))
+                continue
+            self._evict(size)
+            self.index.add(owner, key, size, None, 0.0)  # expiry times are lost on restart
 
     def keys(self) -> list[str]:
         """Every stored key, oldest first (announced as L2 events on start)."""
-        return list(self.entries)
+        return list(self.index.entries)
 
     def get(self, owner: str, key: str) -> bytes | None:
-        e = self.entries.get(key)
+        e = self.index.entries.get(key)
         if e is None or e.owner != owner:
             return None
-        if e.expires_at <= time.time():
-            self.delete(key)
+        if self.index.get(owner, key, time.time()) is None:  # expired, and forgotten
+            self._unlink([(owner, key)])
             return None
         try:
             with open(self._path(owner, key), "rb") as f:
                 data = f.read()
         except FileNotFoundError:  # removed behind our back
-            self._forget(key)
+            self.index.forget(key)
             return None
-        self.entries.move_to_end(key)
         os.utime(self._path(owner, key))
         return data
 
     def put(self, owner: str, key: str, data: bytes, ttl: float | None) -> list[str]:
         """Store a block (not if the disk is full); returns the keys evicted to make room."""
-        if len(data) > self.budget:
+        if len(data) > self.index.budget:
             return []
-        if key in self.entries:
+        if key in self.index.entries:
             self.delete(key)
-        evicted = self._shrink(len(data))
+        evicted = self._evict(len(data))
         path = self._path(owner, key)
         tmp = path + ".tmp"
         try:
@@ -91,46 +84,37 @@ class DiskTier:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             return evicted
-        self.entries[key] = Entry(owner, len(data), time.time() + ttl if ttl is not None else float("inf"))
-        self.bytes += len(data)
+        self.index.add(owner, key, len(data), ttl, time.time())
         return evicted
 
     def delete(self, key: str) -> None:
-        e = self.entries.get(key)
-        if e is None:
-            return
-        try:
-            os.unlink(self._path(e.owner, key))
-        except FileNotFoundError:
-            pass
-        self._forget(key)
+        if key in self.index.entries:
+            self._unlink([(self.index.forget(key).owner, key)])
 
     def purge(self, owner: str) -> list[str]:
         """Drop every block of one owner; returns their keys."""
-        gone = [k for k, e in self.entries.items() if e.owner == owner]
-        for k in gone:
-            self._forget(k)
+        gone = self.index.forget_owner(owner)
         shutil.rmtree(os.path.join(self.root, owner), ignore_errors=True)
         return gone
 
     def clear(self) -> list[str]:
-        gone = list(self.entries)
-        for owner in {e.owner for e in self.entries.values()}:
+        owners = {e.owner for e in self.index.entries.values()}
+        gone = self.index.forget_owner(None)
+        for owner in owners:
             shutil.rmtree(os.path.join(self.root, owner), ignore_errors=True)
-        self.entries.clear()
-        self.bytes = 0
         return gone
 
-    def _shrink(self, incoming: int) -> list[str]:
-        evicted = []
-        while self.entries and self.bytes + incoming > self.budget:
-            key = next(iter(self.entries))
-            self.delete(key)
-            evicted.append(key)
-        return evicted
+    def _evict(self, incoming: int) -> list[str]:
+        evicted = self.index.room(incoming)
+        self._unlink([(e.owner, k) for k, e in evicted])
+        return [k for k, _ in evicted]
 
-    def _forget(self, key: str) -> None:
-        self.bytes -= self.entries.pop(key).size
+    def _unlink(self, blocks: list[tuple[str, str]]) -> None:
+        for owner, key in blocks:
+            try:
+                os.unlink(self._path(owner, key))
+            except FileNotFoundError:
+                pass
 
     def _path(self, owner: str, key: str) -> str:
         return os.path.join(self.root, owner, key + ".kv")

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -35,6 +36,9 @@ WINDOW = 8  # blocks per L3 round trip (MGET): 8 read at ~960 MB/s here, 32 at ~
 QUEUE = 256  # writes waiting for the writer thread
 
 
+Copy = Callable[[], Record]  # copies a block out of the pool, called on the engine thread only when a tier keeps it
+
+
 @dataclass(frozen=True)
 class Wanted:
     owner: str
@@ -45,7 +49,7 @@ class Wanted:
 @dataclass
 class Found:
     tier: str  # "L2" | "L3"
-    record: Record
+    record: Record | None  # None from a tier that keeps no bytes (the capacity planner's)
 
 
 def owner_id(owner) -> str:
@@ -73,19 +77,19 @@ class Tiers:
         return bool(self.disk or self.remote)
 
     # ---- engine thread ------------------------------------------------------------------------------------
-    def stored(self, owner: str, key: str, record: Record | None, ttl: float | None) -> None:
-        """A full block entered L1. `record` is its copy for L3 (None: no L3)."""
+    def stored(self, owner: str, key: str, copy: Copy | None, ttl: float | None) -> None:
+        """A full block entered L1; `copy` copies it for L3 (None: L3 has it already)."""
         if self.events:
             self.events.add("stored", "L1", [key])
-        if record is not None and self.remote:
-            self._queue(("L3", owner, key, record, ttl))
+        if copy is not None and self.remote:
+            self._queue(("L3", owner, key, copy(), ttl))
 
-    def removed(self, owner: str, key: str, spill: Record | None, ttl: float | None) -> None:
-        """A full block left L1; `spill` is its copy for L2 if it was evicted for room."""
+    def removed(self, owner: str, key: str, spill: Copy | None, ttl: float | None) -> None:
+        """A full block left L1; `spill` copies it for L2 if it was evicted for room."""
         if self.events:
             self.events.add("removed", "L1", [key])
         if spill is not None and self.disk:
-            self._queue(("L2", owner, key, spill, ttl))
+            self._queue(("L2", owner, key, spill(), ttl))
 
     def fetch(self, wanted: list[Wanted]) -> Future:
         """Look up the blocks of a chain, in order; the future gives the Found ones up to the first miss (or the
@@ -100,16 +104,13 @@ class Tiers:
         if self.remote:
             self.jobs.put(("pin", owner, keys, pinned))
 
-    def wants_copy(self) -> bool:
-        """Whether stored() needs a copy of the block (copying 700 KB for nothing is not free)."""
-        return self.remote is not None
-
     # ---- state --------------------------------------------------------------------------------------------
     def health(self) -> dict:
         out = {}
         if self.disk:
-            out["L2"] = {"status": "ok", "blocks": len(self.disk.entries), "bytes": self.disk.bytes,
-                         "budget_bytes": self.disk.budget, "disk_full": self.disk.full}
+            i = self.disk.index
+            out["L2"] = {"status": "ok", "blocks": len(i.entries), "bytes": i.bytes, "budget_bytes": i.budget,
+                         "disk_full": self.disk.full}
         if self.remote:
             b = self.remote.breaker
             out["L3"] = {"status": "degraded" if b.is_open else "ok", "errors": b.errors, "skipped": b.skipped}

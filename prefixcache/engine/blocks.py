@@ -13,9 +13,8 @@ from prefixcache.cache.policy import WritePolicy
 from prefixcache.cache.pool import KVPool
 from prefixcache.cache.radix import Listener, Match, Node, NullCache, PrefixCache, block_key, chain_keys
 from prefixcache.cache.scope import CacheScope
-from prefixcache.cache.tiers import Tiers
 from prefixcache.engine.sequence import CacheState, Sequence
-from prefixcache.engine.tiering import Tiering
+from prefixcache.engine.tiering import Below, Tiering
 
 
 class BlockManager:
@@ -44,7 +43,7 @@ class BlockManager:
         n_full = len(seq.tokens) // self.bs
         c.keys = chain_keys(seq.tokens, [self.scope_at(seq, (j + 1) * self.bs).key for j in range(n_full)], self.bs)
 
-    def attach(self, tiers: Tiers) -> None:
+    def attach(self, tiers: Below) -> None:
         self.tiering = Tiering(self, tiers)
 
     def owner(self, node: Node) -> Hashable:

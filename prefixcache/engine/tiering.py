@@ -7,6 +7,7 @@ blocks are the bytes another step computed for exactly these tokens under exactl
 the tier secret, covers the block's key, owner and tokens; their shape and dtype are checked), so a request served
 from a tier gets the output of the request computed cold.
 """
+from concurrent.futures import Future
 from typing import Protocol
 
 import torch
@@ -19,7 +20,7 @@ from prefixcache.cache.radix import Match, Node, PrefixCache
 from prefixcache.cache.record import Record
 from prefixcache.cache.remote import RedisTier
 from prefixcache.cache.scope import CacheScope
-from prefixcache.cache.tiers import Tiers, Wanted, owner_id
+from prefixcache.cache.tiers import Copy, Tiers, Wanted, owner_id
 from prefixcache.config import Config
 from prefixcache.engine.sequence import Sequence
 from prefixcache.models.loader import ModelConfig
@@ -53,8 +54,22 @@ class Blocks(Protocol):
     def scope_at(self, seq: Sequence, end: int) -> CacheScope: ...
 
 
+class Below(Protocol):
+    """The tiers below L1 as Tiering uses them: cache/tiers.py, or the capacity planner's (bench/plan_tiers.py)."""
+
+    def stored(self, owner: str, key: str, copy: Copy | None, ttl: float | None) -> None: ...
+
+    def removed(self, owner: str, key: str, spill: Copy | None, ttl: float | None) -> None: ...
+
+    def fetch(self, wanted: list[Wanted]) -> Future: ...
+
+    def purge(self, owner: str | None) -> None: ...
+
+    def pin(self, owner: str, keys: list[str], pinned: bool) -> None: ...
+
+
 class Tiering:
-    def __init__(self, blocks: Blocks, tiers: Tiers):
+    def __init__(self, blocks: Blocks, tiers: Below):
         assert blocks.cache.enabled, "KV tiers need the prefix cache"
         self.blocks, self.tiers = blocks, tiers
         self.pool, self.cache, self.bs = blocks.pool, blocks.cache, blocks.bs
@@ -63,12 +78,12 @@ class Tiering:
 
     # ---- cache listener -----------------------------------------------------------------------------------
     def stored(self, node: Node) -> None:
-        copy = self._copy(node) if self.tiers.wants_copy() and not self.loading else None
+        copy = None if self.loading else lambda: self._copy(node)
         self.tiers.stored(self._owner(node), node.key.hex(), copy, node.ttl)
 
     def removed(self, node: Node, reason: str) -> None:
-        self.tiers.removed(self._owner(node), node.key.hex(), self._copy(node) if reason == "capacity" else None,
-                           node.ttl)
+        spill = (lambda: self._copy(node)) if reason == "capacity" else None
+        self.tiers.removed(self._owner(node), node.key.hex(), spill, node.ttl)
 
     # ---- requests -----------------------------------------------------------------------------------------
     def prefetch(self, seq: Sequence) -> None:
@@ -118,12 +133,14 @@ class Tiering:
                 if not self.blocks.reserve(1):
                     break
                 block = self.pool.allocate(1)[0]
-                span = slice(block * self.bs, (block + 1) * self.bs)
-                self.pool.k[:, span] = f.record.k
-                self.pool.v[:, span] = f.record.v
+                if f.record is not None:
+                    span = slice(block * self.bs, (block + 1) * self.bs)
+                    self.pool.k[:, span] = f.record.k
+                    self.pool.v[:, span] = f.record.v
                 scope = self.blocks.scope_at(seq, (j + 1) * self.bs)
+                tokens = tuple(seq.tokens[j * self.bs:(j + 1) * self.bs])  # what the record's MAC was checked on
                 self.loading = True
-                node, _ = self.cache.insert(parent, c.keys[j], scope.key, f.record.tokens, block,
+                node, _ = self.cache.insert(parent, c.keys[j], scope.key, tokens, block,
                                             c.policy.ttl((j + 1) * self.bs)[0], seq.priority, scope.owner)
                 self.loading = False
                 self.pool.unref(block)
