@@ -1,13 +1,20 @@
-"""prefixcache: an LLM serving engine built around exact cross-request prefix caching."""
+"""prefixcache: an LLM serving engine built around exact cross-request prefix caching.
+
+The names below load on first use, so that a process that needs no engine (the router, the linter) never
+imports torch."""
+import importlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from prefixcache.cache.policy import Breakpoint  # noqa: E402
-from prefixcache.cache.scope import CacheScope  # noqa: E402
-from prefixcache.config import Config  # noqa: E402
-from prefixcache.engine.llm import LLM  # noqa: E402
-from prefixcache.engine.sequence import RequestOutput, SamplingParams  # noqa: E402
+EXPORTS = {"LLM": "prefixcache.engine.llm", "SamplingParams": "prefixcache.engine.sequence",
+           "RequestOutput": "prefixcache.engine.sequence", "CacheScope": "prefixcache.cache.scope",
+           "Breakpoint": "prefixcache.cache.policy", "Config": "prefixcache.config"}
+__all__ = list(EXPORTS)
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CacheScope", "Breakpoint", "Config"]
+
+def __getattr__(name: str):
+    if name not in EXPORTS:
+        raise AttributeError(f"module 'prefixcache' has no attribute {name!r}")
+    return getattr(importlib.import_module(EXPORTS[name]), name)

@@ -7,11 +7,10 @@ from prefixcache.options import add_engine_options, default, size
 
 def cmd_generate(args) -> None:
     from prefixcache import LLM, SamplingParams
-
     from prefixcache.options import resolve
 
     llm = LLM(**resolve(args)[0])
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, seed=args.seed)  # max_tokens: Config's (--max-tokens)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)
     else:
@@ -33,7 +32,7 @@ def cmd_serve(args) -> None:
 
     from prefixcache.config import Config
     from prefixcache.options import resolve
-    from prefixcache.server.app import SERVE_OPTIONS, ServeConfig
+    from prefixcache.server.config import SERVE_OPTIONS, ServeConfig
     from prefixcache.server.serve import serve
 
     engine, options = resolve(args, SERVE_OPTIONS)
@@ -63,12 +62,13 @@ def tier_sizes(text: str) -> dict[str, int]:
 
 
 def cmd_plan(args) -> None:
-    from prefixcache.bench import plan
+    from prefixcache.bench import plan, plan_live
 
     workload = plan.load(args.log, args.seed, errors=args.trace_errors)
     points = plan.plan(workload, args.budgets, args.policy, args.ttl, args.model or "", args.min_cache_tokens,
                        args.tiers)
-    measured = (plan.validate(workload, args.budgets, args.min_cache_tokens, args.seed, args.tiers, args.model or "")
+    measured = (plan_live.measure_hit_rates(workload, args.budgets, args.min_cache_tokens, args.seed, args.tiers,
+                                            args.model or "")
                 if args.validate else None)
     if args.json:
         for i, p in enumerate(points):
@@ -89,7 +89,7 @@ def cmd_route(args) -> None:
 
     import uvicorn
 
-    from prefixcache.cache.credentials import router_admin_key, redis_password
+    from prefixcache.cache.credentials import redis_password, router_admin_key
     from prefixcache.router.app import create_app
     from prefixcache.router.balance import Policy
     from prefixcache.router.config import RouterConfig
@@ -132,7 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     add_engine_options(p)
@@ -257,14 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_doctor(args) -> None:
     from prefixcache.config import Config
     from prefixcache.engine.engine import Engine
-    from prefixcache.models.exactness import KEY_STEP, cpu_info, step_ms
+    from prefixcache.models.cpu import cpu_info
+    from prefixcache.models.exactness import KEY_STEP
+    from prefixcache.models.timer import step_ms
     from prefixcache.options import resolve
 
     engine = Engine(Config(**resolve(args)[0]))
     cpu, plan, model = cpu_info(), engine.exactness, engine.runner.model
     print(f"cpu      {cpu.model}\nsimd     {' '.join(cpu.simd) or 'none'}\n"
           f"threads  {cpu.threads}\ntorch    {cpu.torch} ({cpu.blas})\n"
-          f"model    {engine.model_name} ({engine.config.dtype}, KV {engine.config.kv_dtype})\n"
+          f"model    {engine.model_name} ({engine.config.dtype}, KV {engine.config.kv_storage_dtype})\n"
           f"kernels  {plan.kernels}")
     print(f"probe    {'cached' if plan.cached else 'ran'}, {plan.probe_seconds:.2f} s; row counts whose every row "
           "equals a reference call's:")

@@ -1,11 +1,15 @@
+"""The engine's options: every default, and their validation. The ground floor: it imports nothing of prefixcache
+and reads nothing when a Config is built; what depends on the machine (the default model's path, bfloat16 support)
+is resolved where it is used."""
 import importlib.util
 import os
 from dataclasses import dataclass, field
 
-from prefixcache.kernels import CHOICES as KERNEL_CHOICES
-from prefixcache.models.exactness import MODES, cpu_info
-
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = ("float32", "bfloat16")
+MODES = ("auto", "pad", "fixed", "rows")  # exactness; the probe may also choose "kernel", when our kernels run
+ISAS = ("avx512", "avx2")  # our kernel builds, best first (prefixcache/kernels); the ops' isa argument indexes this
+KERNELS = ("auto", *ISAS, "off")
 
 
 def default_model_path() -> str:
@@ -16,15 +20,12 @@ def default_model_path() -> str:
     return os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF)
 
 
-DTYPES = ("float32", "bfloat16")
-
-
 @dataclass
 class Config:
     """Every engine default lives here."""
 
-    model: str = ""  # GGUF file or HF safetensors folder; "" means the default SmolLM2
-    dtype: str = "float32"  # weights and activations; bfloat16 needs a CPU with avx512_bf16 or AMX
+    model: str = ""  # GGUF file or HF safetensors folder; "" means the default SmolLM2 (default_model_path())
+    dtype: str = "float32"  # weights and activations; bfloat16 needs a CPU with avx512_bf16 or AMX (models/cpu.py)
     kv_dtype: str = "auto"  # KV storage; "auto": the activation dtype. bfloat16 halves it but is lossy (opt-in)
     exactness: str = "auto"  # how rows stay batch-invariant (models/exactness.py): auto | pad | fixed | rows;
     # auto runs our kernels where they can run (float32, a block size and head size that are multiples of 16),
@@ -36,7 +37,8 @@ class Config:
     max_num_seqs: int = 16  # sequences in flight
     max_batch_tokens: int = 512  # tokens per engine step (decode rows + prefill chunks)
     max_model_len: int = 0  # 0: the model's context length
-    enable_prefix_cache: bool = True
+    max_tokens: int = 256  # output tokens of a request that sets none (SamplingParams.max_tokens None)
+    enable_prefix_cache: bool = True  # reuse the KV of earlier requests' prefixes (off: every prompt is computed)
     min_cache_tokens: int = 0  # prefixes shorter than this are never written to the cache
     default_ttl: float | None = None  # seconds; None keeps automatic entries until evicted
     shared_prefixes: list[list[int]] = field(default_factory=list)  # token prefixes shared by all tenants
@@ -64,17 +66,18 @@ class Config:
     kv_events_config: str = ""  # vLLM's KV events over ZMQ, as vLLM's JSON (cache/zmq_events.py); "": none
 
     def __post_init__(self):
-        assert self.attn_tile % self.block_size == 0, "attn_tile must be a multiple of block_size"
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be at least 1")
+        if self.attn_tile % self.block_size:
+            raise ValueError(f"attn_tile={self.attn_tile} must be a multiple of block_size={self.block_size}")
         for name, choices in (("dtype", DTYPES), ("kv_dtype", ("auto", *DTYPES)), ("exactness", MODES),
-                              ("kernels", KERNEL_CHOICES)):
+                              ("kernels", KERNELS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
-        if self.dtype == "bfloat16" and not (cpu := cpu_info()).has_bf16:
-            raise ValueError(f"dtype='bfloat16' needs a CPU with avx512_bf16 or AMX, which {cpu.model} lacks: "
-                             "use float32")
         if (self.disk_cache or self.redis_url) and not self.enable_prefix_cache:
             raise ValueError("disk_cache and redis_url are tiers of the prefix cache: enable it")
-        if self.kv_dtype == "auto":
-            self.kv_dtype = self.dtype
-        if not self.model:
-            self.model = default_model_path()
+
+    @property
+    def kv_storage_dtype(self) -> str:
+        """The dtype the KV is stored in: kv_dtype, or for "auto" the activation dtype."""
+        return self.dtype if self.kv_dtype == "auto" else self.kv_dtype

@@ -1,14 +1,16 @@
 """Command-line options derived from Config, so every engine knob is a flag with Config's own default, and a
 TOML file (`--config`) that sets the same options. Precedence: flags, then the file, then Config's defaults."""
 import argparse
+import inspect
 import re
 import tomllib
 import types
-from dataclasses import fields
+from dataclasses import MISSING, fields
 
 from prefixcache.config import Config
 
 SKIP = {"shared_prefixes"}  # token ids: the server takes --shared-prefixes FILE of system-prompt strings
+FIELD = re.compile(r"^    (\w+): [^=]+ = ")  # a field of Config's source, with its default
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?)?\s*$", re.I)
 
 
@@ -65,3 +67,30 @@ def _base(annotation) -> type:
     if isinstance(annotation, types.UnionType):
         return next(a for a in annotation.__args__ if a is not type(None))
     return annotation
+
+
+def table() -> str:
+    """The engine options as a markdown table: flag, Config's default and its comment there (the README's copy is
+    checked against this)."""
+    notes: dict[str, str] = {}
+    name = None
+    for line in inspect.getsource(Config).splitlines():
+        field = FIELD.match(line)
+        comment = line.partition("  # ")[2] if field else line.strip().removeprefix("# ")
+        if field:
+            name = field.group(1)
+            notes[name] = comment
+        elif line.strip().startswith("#") and name and not comment.endswith(":"):
+            notes[name] += " " + comment
+        else:
+            name = None  # a blank line, a section's heading or a method: no field's comment goes on
+    rows = ["| flag | default | |", "|---|---|---|"]
+    for f in fields(Config):
+        if f.name not in SKIP:
+            value = f.default if f.default is not MISSING else f.default_factory()
+            rows.append(f"| `--{f.name.replace('_', '-')}` | `{value!r}` | {notes[f.name].replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())

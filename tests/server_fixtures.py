@@ -13,7 +13,8 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.config import Config
-from prefixcache.server.app import ServeConfig, create_app
+from prefixcache.server.app import create_app
+from prefixcache.server.config import ServeConfig
 
 KEYS = {"sk-acme": {"tenant": "acme", "labels": ["finance"]}, "sk-globex": {"tenant": "globex"},
         "sk-admin": {"tenant": "ops", "admin": True}, "sk-metered": {"tenant": "metered", "rpm": 3, "tpm": 400}}

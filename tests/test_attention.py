@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import generate_with_logits
+
 from prefixcache import LLM, SamplingParams
 from prefixcache.cache.pool import KVPool
 from prefixcache.models import attention

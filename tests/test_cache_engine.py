@@ -1,8 +1,8 @@
 """Prefix-cache behaviour through the engine: warm == cold, isolation, staleness, lifecycle, bounds."""
 import pytest
 import torch
-
 from conftest import GREEDY, generate_with_logits
+
 from prefixcache import LLM, Breakpoint, CacheScope, SamplingParams
 
 BASE = list(range(3000, 3400))
@@ -103,7 +103,7 @@ def test_ttl_expiry_pin_and_purge(tiny_model):
     # pin: survives clear(); purge removes a tenant's entries only
     llm.generate([BASE[:64]], GREEDY, scope=CacheScope(tenant="a"))
     llm.generate([BASE[:64]], GREEDY, scope=CacheScope(tenant="b"))
-    llm.engine.purge(CacheScope(tenant="a"))
+    llm.engine.cache.purge(CacheScope(tenant="a"))
     assert llm.generate([BASE[:64]], GREEDY, scope=CacheScope(tenant="a"))[0].cached_tokens == 0
     assert llm.generate([BASE[:64]], GREEDY, scope=CacheScope(tenant="b"))[0].cached_tokens == 63
     assert llm.pin(BASE[:64], CacheScope(tenant="b")) == 64
@@ -129,7 +129,7 @@ def test_eviction_order_expired_then_priority_then_lru(tiny_model):
     now[0] += 400  # the 5m entry expires; the others have no TTL
 
     def cached(span):
-        return llm.engine.pin(BASE[span[0]:span[1]], pinned=False)  # full blocks still matchable; changes nothing
+        return llm.engine.cache.pin(BASE[span[0]:span[1]], pinned=False)  # full blocks still matchable; changes nothing
     cache.evict(2)
     assert dict(cache.evictions) == {"ttl": 2}  # the expired entry's two blocks go first
     order = []
@@ -165,7 +165,7 @@ def test_a_tenants_cache_share_holds_while_another_is_over_its_own(tiny_model):
 
     def kept(shares: dict[str, float]) -> list[int]:
         llm = LLM(model=tiny_model, kv_cache_bytes=130 * block_bytes, max_num_seqs=4)
-        llm.engine.set_cache_shares(shares)
+        llm.engine.cache.set_shares(shares)
         for p in b_prompts:
             llm.generate([p], one, scope=CacheScope(tenant="b"))
         for i in range(10):
@@ -296,7 +296,7 @@ def test_miss_causes(tiny_model):
     llm.generate([BASE[300:380]], GREEDY, breakpoints=[Breakpoint(64, "5m")])
     now[0] += 301
     assert llm.generate([BASE[300:380]], GREEDY)[0].miss_cause == "expired"
-    llm.engine.clear_cache()
+    llm.engine.cache.clear()
     assert llm.generate([doc], GREEDY)[0].miss_cause == "evicted"
 
 
@@ -345,10 +345,10 @@ def test_purge_while_the_tenant_runs_keeps_its_output_and_the_shared_prefix(tiny
     for _ in range(5):  # prefilled, and a few tokens decoded
         engine.step()
     assert 0 < len(seq.output_ids) < 24
-    assert engine.purge_tenant("acme") > 0  # the finished request's own blocks go; the running one's stay
+    assert engine.cache.purge_tenant("acme") > 0  # the finished request's own blocks go; the running one's stay
     while seq.finish_reason is None:
         engine.step()
-    assert engine.output(seq).token_ids == reference.token_ids
+    assert seq.output().token_ids == reference.token_ids
     other = llm.generate([shared + BASE[300:340]], params, scope=CacheScope(tenant="globex"))[0]
     assert other.cached_tokens == len(shared) and other.scope_kind == "shared"
     assert llm.generate([prompt], params, scope=CacheScope(tenant="acme"))[0].cached_tokens == len(prompt) - 1

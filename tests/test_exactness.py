@@ -3,13 +3,14 @@ The plans' end-to-end effect (bit-identical logits in every mode) is tested in t
 test_cache_engine.py."""
 import pytest
 import torch
-
 from conftest import GREEDY, generate_with_logits
+
 from prefixcache import LLM, Config
 from prefixcache.cli import main
-from prefixcache.models.exactness import ATTN_SIZES, in_calls, probe
+from prefixcache.models.exactness import ATTN_SIZES, in_calls
 from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
+from prefixcache.models.probe import probe
 from prefixcache.models.rowwise import TorchOps
 
 
@@ -79,7 +80,7 @@ def test_bad_options_name_the_choices(tiny_model, option, value, choices):
 
 
 def test_kv_dtype_defaults_to_the_activation_dtype(tiny, tiny_model):
-    assert tiny.engine.config.kv_dtype == "float32" and tiny.engine.pool.k.dtype == torch.float32
+    assert tiny.engine.config.kv_storage_dtype == "float32" and tiny.engine.pool.k.dtype == torch.float32
     half = LLM(model=tiny_model, kv_dtype="bfloat16").engine.pool
     assert half.block_bytes * 2 == tiny.engine.pool.block_bytes
 
@@ -87,13 +88,13 @@ def test_kv_dtype_defaults_to_the_activation_dtype(tiny, tiny_model):
 def test_bfloat16_weights_need_a_cpu_with_native_bf16_and_stay_exact(tiny_model):
     """On a CPU with native bf16: the probe plans bf16 (no fallback), and warm, chunked and batched runs give the
     bits of a cold single run. Elsewhere: a clear error."""
-    from prefixcache.models.exactness import cpu_info
+    from prefixcache.models.cpu import cpu_info
 
     if not cpu_info().has_bf16:
         with pytest.raises(ValueError, match="avx512_bf16 or AMX"):
-            Config(model=tiny_model, dtype="bfloat16")
+            LLM(model=tiny_model, dtype="bfloat16")
         return
-    assert Config(model=tiny_model, dtype="bfloat16").kv_dtype == "bfloat16"
+    assert Config(model=tiny_model, dtype="bfloat16").kv_storage_dtype == "bfloat16"
     cold = LLM(model=tiny_model, dtype="bfloat16", enable_prefix_cache=False, attn_tile=64)
     warm = LLM(model=tiny_model, dtype="bfloat16", max_batch_tokens=96, attn_tile=64)
     assert "failed" not in cold.exactness.note and "failed" not in warm.exactness.note

@@ -8,7 +8,7 @@ from server_fixtures import _start, prompt_tokens_computed
 
 from prefixcache.bench.cluster import vllm_router
 from prefixcache.config import Config
-from prefixcache.server.app import ServeConfig
+from prefixcache.server.config import ServeConfig
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from server_fixtures import _start
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.config import Config
-from prefixcache.server.app import ServeConfig
+from prefixcache.server.config import ServeConfig
 
 REQUESTS = 4000 if LONG else 1000
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)

@@ -3,8 +3,8 @@ ISA build, batch, chunking and block placement, and the engine's fallback to the
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import GREEDY, generate_with_logits
+
 from prefixcache import LLM, kernels
 from prefixcache.models import paged
 from prefixcache.models.attention import Queries

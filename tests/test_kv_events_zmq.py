@@ -128,7 +128,7 @@ def test_the_cache_in_vllms_kv_events_live_and_replayed(tiny_model, tmp_path):
         assert all(e.lora_name is None for e in replayed(tmp_path, sent, BlockStored, 2))
 
         sent = llm.engine.events.sent
-        freed = llm.engine.clear_cache()
+        freed = llm.engine.cache.clear()
         removed = [e.block_hashes[0] for e in replayed(tmp_path, sent, BlockRemoved, 6)]  # three prompts' two blocks
         assert len(removed) == 6 <= freed and set(nodes) <= set(removed)
     finally:

@@ -4,9 +4,9 @@ import random
 
 import pytest
 import torch
+from conftest import GREEDY, generate_with_logits
 from transformers import AutoModelForCausalLM
 
-from conftest import GREEDY, generate_with_logits
 from prefixcache import LLM, SamplingParams
 from prefixcache.bench.workloads import system_prompt
 from prefixcache.config import default_model_path
@@ -73,7 +73,9 @@ def test_real_model_logits_and_greedy_tokens_match_hf(real, real_hf):
             hf_tokens = real_hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
         outs, logits = generate_with_logits(real, [ids], SamplingParams(temperature=0.0, max_tokens=12,
                                                                         ignore_eos=True))
-        assert (logits[0][0] - ref).abs().max().item() <= 1e-4
+        # float32 rounding, relative to the logits' scale: HF's own GEMMs round differently by CPU (an Intel Xeon
+        # with AMX put them 1.01e-4 from ours on logits up to 34)
+        assert (logits[0][0] - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
         assert outs[0].token_ids == hf_tokens
 
 
@@ -85,7 +87,7 @@ def test_tiny_long_prompts_match_hf(tiny_model):
 
 def test_real_model_long_chats_match_hf_with_the_default_kv_dtype(real, real_hf):
     """Issue 9: with bf16 KV, one of three ~1,000-token chats left HF's greedy path at its second token."""
-    assert real.engine.config.kv_dtype == "float32"  # "auto": the activation dtype
+    assert real.engine.config.kv_storage_dtype == "float32"  # "auto": the activation dtype
     rng = random.Random(9)
     prompts = [real.encode_chat([{"role": "system", "content": system_prompt(rng, n)},
                                  {"role": "user", "content": "Summarize the rules above in one sentence."}])

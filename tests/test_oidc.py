@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from server_fixtures import _start
 
 from prefixcache.config import Config
-from prefixcache.server.app import ServeConfig
+from prefixcache.server.config import ServeConfig
 from prefixcache.server.oidc import OidcConfig, OidcVerifier
 
 ISSUER, AUDIENCE = "https://login.example.test/tid-acme/v2.0", "api://prefixcache"

@@ -7,7 +7,7 @@ import pytest
 from prefixcache.cli import build_parser
 from prefixcache.config import Config
 from prefixcache.options import default, resolve, size
-from prefixcache.server.app import SERVE_OPTIONS
+from prefixcache.server.config import SERVE_OPTIONS
 
 
 def _serve(*argv: str) -> argparse.Namespace:

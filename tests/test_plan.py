@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from prefixcache.bench import plan, plan_tiers
+from prefixcache.bench import plan, plan_live, plan_tiers
 from prefixcache.bench.redis_lru import RedisLedger
 
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # the tiny model: 2 layers, 2 KV heads of 16, blocks of 16 tokens, fp32
@@ -130,7 +130,7 @@ def test_the_prediction_with_a_disk_tier_is_what_a_live_server_measures(tmp_path
     rows = [chat(t, SYSTEM[t], f"question {i}?") for i in range(3) for t in "ab"] + [chat("a", SYSTEM["a"], "last?")]
     workload, budgets, tiers = plan.load(log(tmp_path, rows)), [30 * BLOCK_BYTES, 40 * BLOCK_BYTES], {"L2": 2**20}
     predicted = plan.plan(workload, budgets, model=tiny_model, tiers=tiers)
-    measured = plan.validate(workload, budgets, tiers=tiers, model=tiny_model)
+    measured = plan_live.measure_hit_rates(workload, budgets, tiers=tiers, model=tiny_model)
     [memory_only] = plan.plan(workload, budgets[:1], model=tiny_model)
     assert all(p.tier_tokens["L2"] > 0 for p in predicted) and memory_only.hit_rate < predicted[0].hit_rate
     assert [round(p.hit_rate, 3) for p in predicted] == [round(m, 3) for m in measured]

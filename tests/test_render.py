@@ -8,14 +8,13 @@ import pytest
 from server_fixtures import long_system, main_server, prefix_header
 from transformers import AutoTokenizer
 
-from prefixcache import LLM, SamplingParams
+from prefixcache import LLM, SamplingParams, prompt
 from prefixcache.bench.workloads import load_jsonl
 from prefixcache.config import default_model_path
 from prefixcache.lint.render import render as lint_render
 from prefixcache.lint.requests import load
 from prefixcache.lint.run import diff
 from prefixcache.models.loader import converted_folder
-from prefixcache import prompt
 from prefixcache.prompt import fields, render
 
 SYSTEM = long_system("render", 8)

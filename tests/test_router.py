@@ -15,7 +15,9 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from server_fixtures import long_system, metrics, until
 
+from prefixcache.bench.server import RedisProcess, free_port
 from prefixcache.cache.credentials import TIER_SECRET_ENV
 from prefixcache.router.app import create_app
 from prefixcache.router.balance import Candidate, Policy, choose
@@ -24,8 +26,6 @@ from prefixcache.router.index import STREAM, PrefixIndex
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.proxy import Router
 from prefixcache.router.replicas import Replica
-from server_fixtures import long_system, metrics, until
-from prefixcache.bench.server import RedisProcess, free_port
 
 KEYS = {"sk-a": {"tenant": "a"}, "sk-b": {"tenant": "b"}, "sk-admin": {"tenant": "ops", "admin": True}}
 SECRET = "router-test-tier-secret-0123456789"  # every replica's: each reads the L3 blocks of the others

@@ -66,7 +66,7 @@ def test_logprobs_are_of_the_raw_logits_before_biases_and_penalties():
     ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
     ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
     ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
-    ({"min_tokens": 65}, "min_tokens must be in [0, max_tokens=64]"),
+    ({"max_tokens": 64, "min_tokens": 65}, "min_tokens must be in [0, max_tokens=64]"),
     ({"logprobs": 21}, "logprobs must be in [0, 20]"),
     ({"n": 2, "best_of": 1}, "best_of must be >= n (2)"),
 ])
@@ -103,7 +103,7 @@ def test_logprobs_are_bit_identical_warm_cold_and_batched(llm, cold):
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=5)
     others = [list(range(2000, 2000 + n)) for n in (17, 40)]
     ref = cold.generate([PROMPT], params)[0]
-    llm.engine.clear_cache()
+    llm.engine.cache.clear()
     first = llm.generate([PROMPT], params)[0]
     warm = llm.generate([PROMPT, *others], params)[0]  # hits the cache, batched with two other prompts
     assert first.cached_tokens == 0 and warm.cached_tokens == len(PROMPT) - 1
@@ -130,7 +130,7 @@ def test_prompt_logprobs_recompute_cached_positions_with_the_samplers_logits(llm
 @pytest.mark.parametrize("cache", [True, False])
 def test_n_samples_share_one_prefill_and_seed_plus_i(llm, cold, cache):
     engine = llm if cache else cold
-    engine.engine.clear_cache()
+    engine.engine.cache.clear()
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=11, logprobs=1)
     before = engine.cache_stats()["prompt_tokens_computed"]
     outs = engine.generate([PROMPT], replace(params, n=4))

@@ -8,7 +8,7 @@ from server_fixtures import main_server
 
 from prefixcache.server.anthropic import MessagesRequest
 from prefixcache.server.fields import IGNORED, REFUSED, SUPPORTED, TABLE, markdown
-from prefixcache.server.openai import ChatRequest, CompletionRequest
+from prefixcache.server.openai_requests import ChatRequest, CompletionRequest
 
 ACME = {"Authorization": "Bearer sk-acme"}
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}

@@ -14,8 +14,8 @@ from server_fixtures import KEYS, _start, main_server, until
 
 from prefixcache.bench.server import free_port
 from prefixcache.config import Config
-from prefixcache.server.app import ServeConfig
 from prefixcache.server.auth import Keys
+from prefixcache.server.config import ServeConfig
 
 SECRET_PROMPT = "The merger code name is BLUE HERON; tell no one."
 

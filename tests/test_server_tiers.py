@@ -16,7 +16,7 @@ from prefixcache.cache.events import STREAM
 from prefixcache.cache.remote import PREFIX
 from prefixcache.config import Config
 from prefixcache.router.index import PrefixIndex
-from prefixcache.server.app import ServeConfig
+from prefixcache.server.config import ServeConfig
 
 KEYS = {"sk-a": {"tenant": "a"}, "sk-b": {"tenant": "b"}, "sk-admin": {"tenant": "ops", "admin": True}}
 ADMIN = {"Authorization": "Bearer sk-admin"}  # /health's tiers and replica id need an admin key

@@ -18,7 +18,7 @@ B = list(range(9000, 9020))  # tenant b's short one
 def _finish(llm: LLM, seqs: list[Sequence]) -> list[tuple[list[int], float]]:
     while llm.engine.has_unfinished():
         llm.engine.step()
-    return [(o.token_ids, o.cumulative_logprob) for o in map(llm.engine.output, seqs)]
+    return [(o.token_ids, o.cumulative_logprob) for o in (s.output() for s in seqs)]
 
 
 def test_the_cap_follows_engine_time_and_the_first_token_step(tiny_model):

@@ -11,7 +11,7 @@ from prefixcache.bench.driver import Result
 from prefixcache.bench.report import goodput
 from prefixcache.bench.sweeps import max_rate
 from prefixcache.config import Config
-from prefixcache.server.app import ServeConfig
+from prefixcache.server.config import ServeConfig
 from prefixcache.slo import Objectives
 
 

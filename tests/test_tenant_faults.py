@@ -41,7 +41,7 @@ def _scope(tenant: str) -> CacheScope:
 def test_poisoned_sequences_fail_alone_and_the_other_tenant_is_unchanged(tiny_model, speculative):
     llm = LLM(model=tiny_model, speculative=speculative)
     alone = llm.generate([B_PROMPT], B_PARAMS, scope=_scope("b"))[0]
-    llm.engine.clear_cache()
+    llm.engine.cache.clear()
     e = llm.engine
     b = e.add_request(B_PROMPT, B_PARAMS, _scope("b"))
     poisoned = [e.add_request(B_PROMPT[:12] + [i], p, _scope("a")) for i, p in enumerate(_poisons(e.tokenizer))]
@@ -55,14 +55,14 @@ def test_poisoned_sequences_fail_alone_and_the_other_tenant_is_unchanged(tiny_mo
     broken.detok.add = fault
     while e.has_unfinished():
         e.step()
-    out = e.output(b)
+    out = b.output()
     assert (out.token_ids, out.cumulative_logprob, out.logprobs) == \
         (alone.token_ids, alone.cumulative_logprob, alone.logprobs)
     assert out.finish_reason == "length" and out.error is None
     masked, tiny_t, n3, stops, biased, bad_regex = poisoned
     assert masked.fault and not masked.fault.internal and "no token is allowed" in masked.fault.message
     assert bad_regex.fault and not bad_regex.fault.internal and "regex" in bad_regex.fault.message
-    assert broken.fault and broken.fault.internal and e.output(broken).error == "internal engine error"
+    assert broken.fault and broken.fault.internal and broken.output().error == "internal engine error"
     for seq in (tiny_t, *n3.samples, stops, biased):
         assert seq.fault is None and seq.finish_reason in ("stop", "length"), (seq.params, seq.fault)
     assert not e.scheduler.running and not e.scheduler.waiting and e.pool.num_free == e.pool.usable_blocks - \

@@ -10,10 +10,10 @@ import struct
 
 import pytest
 import torch
+from conftest import GREEDY, generate_with_logits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import GREEDY, generate_with_logits
 from prefixcache import LLM
 from prefixcache.cache.credentials import SECRET_FILE, TIER_SECRET_ENV, tier_secret
 from prefixcache.cache.policy import Breakpoint
@@ -93,7 +93,7 @@ def test_a_record_holds_no_token_ids(tiny_model, redis_proc):
     a = llm(tiny_model, redis_url=redis_proc.url)
     a.generate([PROMPT], GREEDY)
     settle(a.engine)
-    data = redis_proc.client().get(f"{PREFIX}{owner_id(CacheScope().owner)}:{a.engine.prefix_keys(PROMPT)[0]}")
+    data = redis_proc.client().get(f"{PREFIX}{owner_id(CacheScope().owner)}:{a.engine.cache.prefix_keys(PROMPT)[0]}")
     header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
     assert set(header["__metadata__"]) == {"version", "mac"}
     tokens = PROMPT[:16]
@@ -159,7 +159,7 @@ def test_a_damaged_entry_is_deleted_and_recomputed(tiny_model, redis_proc, cold,
     a.generate([PROMPT], GREEDY)
     settle(a.engine)
     r = redis_proc.client()
-    key = a.engine.prefix_keys(PROMPT)[5]  # the sixth block: blocks 0-4 still load
+    key = a.engine.cache.prefix_keys(PROMPT)[5]  # the sixth block: blocks 0-4 still load
     name = f"{PREFIX}{owner_id(CacheScope().owner)}:{key}"
     data = bytearray(r.get(name))
     if damage == "flipped_byte":
@@ -182,7 +182,7 @@ def test_a_full_disk_loses_nothing(tiny_model, tmp_path, cold):
     a = llm(tiny_model, disk_cache=str(tmp_path))
     folder = tmp_path / owner_id(CacheScope().owner)
     folder.mkdir()
-    for key in a.engine.prefix_keys(PROMPT):  # every write of PROMPT's blocks hits the kernel's ENOSPC
+    for key in a.engine.cache.prefix_keys(PROMPT):  # every write of PROMPT's blocks hits the kernel's ENOSPC
         os.symlink("/dev/full", folder / f"{key}.kv.tmp")
     a.generate([PROMPT], GREEDY)
     flood(a)
@@ -207,7 +207,7 @@ def test_a_tenant_purge_reaches_every_tier(tiny_model, redis_proc, tmp_path):
         return len(list(r.scan_iter(f"{PREFIX}{owner}:*"))), len(os.listdir(folder)) if folder.exists() else 0
 
     assert all(n > 0 for n in held("acme") + held("globex"))
-    a.engine.purge_tenant("acme")
+    a.engine.cache.purge_tenant("acme")
     settle(a.engine)
     assert held("acme") == (0, 0)
     assert all(n > 0 for n in held("globex"))
@@ -255,7 +255,7 @@ def test_ttls_and_pins_carry_over_to_redis(tiny_model, redis_proc):
     owner = owner_id(CacheScope().owner)
 
     def ttls(prompt):
-        return [r.ttl(f"{PREFIX}{owner}:{k}") for k in a.engine.prefix_keys(prompt)]
+        return [r.ttl(f"{PREFIX}{owner}:{k}") for k in a.engine.cache.prefix_keys(prompt)]
 
     assert all(290 <= t <= 300 for t in ttls(PROMPT)) and all(1790 <= t <= 1800 for t in ttls(other))
     assert a.pin(other) == 288
@@ -271,7 +271,7 @@ def test_a_damaged_disk_block_is_deleted_and_recomputed(tiny_model, tmp_path, co
     a.generate([PROMPT], GREEDY)
     flood(a)
     settle(a.engine)
-    path = tmp_path / owner_id(CacheScope().owner) / f"{a.engine.prefix_keys(PROMPT)[3]}.kv"
+    path = tmp_path / owner_id(CacheScope().owner) / f"{a.engine.cache.prefix_keys(PROMPT)[3]}.kv"
     data = bytearray(path.read_bytes())
     data[-11] ^= 0x01
     path.write_bytes(bytes(data))
@@ -306,8 +306,8 @@ def test_a_record_copied_to_another_block_in_redis_is_refused(tiny_model, redis_
     settle(a.engine)
     scope, block = (acme, 2) if to == "another_position" else (CacheScope(tenant="globex"), 0)
     r = redis_proc.client()
-    copy = r.get(f"{PREFIX}{owner_id(acme.owner)}:{a.engine.prefix_keys(ECHO, acme)[0]}")
-    name = f"{PREFIX}{owner_id(scope.owner)}:{a.engine.prefix_keys(ECHO, scope)[block]}"
+    copy = r.get(f"{PREFIX}{owner_id(acme.owner)}:{a.engine.cache.prefix_keys(ECHO, acme)[0]}")
+    name = f"{PREFIX}{owner_id(scope.owner)}:{a.engine.cache.prefix_keys(ECHO, scope)[block]}"
     r.set(name, copy)
     b = llm(tiny_model, redis_url=redis_proc.url)
     result = generate_with_logits(b, [ECHO], scope=scope)
@@ -325,7 +325,7 @@ def test_a_record_copied_to_another_block_on_disk_is_refused(tiny_model, tmp_pat
     flood(a)
     settle(a.engine)
     a.engine.close()
-    folder, keys = tmp_path / owner_id(CacheScope().owner), a.engine.prefix_keys(ECHO)
+    folder, keys = tmp_path / owner_id(CacheScope().owner), a.engine.cache.prefix_keys(ECHO)
     shutil.copy(folder / f"{keys[0]}.kv", folder / f"{keys[2]}.kv")
     restarted = llm(tiny_model, disk_cache=str(tmp_path))
     result = generate_with_logits(restarted, [ECHO])
@@ -366,6 +366,6 @@ def test_a_preempted_requests_tier_counts_stay_those_of_its_first_admission(tiny
     e.blocks.prefetch(seq)  # the lookup its readmission makes, had the pressure come first
     while e.has_unfinished():
         e.step()
-    assert sum(seq.cache.tier_tokens.values()) == 0 and e.output(seq).cached_by_tier == first
-    assert e.output(seq).token_ids == cold[0][0].token_ids
+    assert sum(seq.cache.tier_tokens.values()) == 0 and seq.output().cached_by_tier == first
+    assert seq.output().token_ids == cold[0][0].token_ids
     assert e.stats()["tiers"]["counts"]["L2_hits"] > 0  # it did come back from L2

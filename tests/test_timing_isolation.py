@@ -95,7 +95,7 @@ def test_in_flight_deduplication_waits_only_within_the_scope(tiny_model):
     assert other in running and again not in running
     while engine.has_unfinished():
         engine.step()
-    assert llm.engine.output(again).cached_tokens >= 1024 and llm.engine.output(other).cached_tokens == 0
+    assert again.output().cached_tokens >= 1024 and other.output().cached_tokens == 0
 
 
 def test_another_tenants_entries_do_not_change_the_admission_order(tiny_model):

@@ -11,7 +11,7 @@ from prefixcache.bench.driver import Load, Target, run
 from prefixcache.bench.trace import BLOCK, export_trace, load_trace
 from prefixcache.bench.workloads import Session, Turn, Workload
 from prefixcache.config import Config
-from prefixcache.server.app import ServeConfig
+from prefixcache.server.config import ServeConfig
 
 KEYS = {"default": "sk-default", "acme": "sk-acme", "globex": "sk-globex"}
 

@@ -131,7 +131,7 @@ def _main(args, name: str, folder: str, size: Size, workloads: list, bench) -> N
     from prefixcache.bench import plots
     from prefixcache.bench.driver import Target
     from prefixcache.bench.runs import compare, measure, on_off
-    from prefixcache.models.exactness import cpu_info
+    from prefixcache.models.cpu import cpu_info
 
     prices = bench.prices
     load = (f"{args.rate} req/s Poisson (open loop)" if args.rate else

@@ -30,7 +30,7 @@ from prefixcache.bench.runs import WARMUP
 from prefixcache.bench.server import ADMIN_KEY, LocalServer, RedisProcess, ServerOptions, free_port
 from prefixcache.bench.workloads import Size, multi_tenant
 from prefixcache.cache.credentials import ROUTER_ADMIN_KEY_ENV, TIER_SECRET_ENV
-from prefixcache.models.exactness import cpu_info
+from prefixcache.models.cpu import cpu_info
 
 KV_BYTES = 1 << 30
 

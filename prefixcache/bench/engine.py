@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+from prefixcache.bench.engine_report import report
+
 PREFILL_LENS = (1024, 4096)
 DECODE_CTX, DECODE_TOKENS = 1024, 24
 REPEATS = 3
@@ -164,7 +166,7 @@ def _cache_figures(cold) -> dict:
     return {"hit_4096_64_ttft_s": hit, "miss_4096_64_ttft_s": miss, "suffix_floor_64_on_4096_s": floor,
             "hit_over_floor": hit / floor, "miss_over_hit": miss / hit,
             "kv_bytes_per_token": warm.engine.pool.block_bytes // warm.engine.pool.block_size,
-            "kv_dtype": warm.engine.config.kv_dtype, "match_lock": _match_lock_times()}
+            "kv_dtype": warm.engine.config.kv_storage_dtype, "match_lock": _match_lock_times()}
 
 
 def _suffix_floor(warm, prefix: list[int], suffixes: list[list[int]]) -> float:
@@ -249,52 +251,6 @@ def _run_side(name: str, exactness: str = "auto", dtype: str = "float32", kernel
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def report(sides: dict[str, dict], hf: dict, cpu: str) -> str:
-    """sides: our variants by column name, "prefixcache" first; prefill with its ratio to that side's own GEMM
-    floor, decode with its ratio to the byte floor."""
-    ours = sides["prefixcache"]
-    lines = ["# Engine benchmark", "", f"SmolLM2-135M-Instruct on {cpu}; prefixcache runs "
-             f"{ours['exactness']['kernels'] or 'the torch path'}. Decode steps at context {DECODE_CTX}, followed by "
-             "their ratio to the byte floor: the bytes a step must read (every layer's weights, the LM head, the "
-             "keys and values it attends to) over the read bandwidth measured in the same process just before "
-             "and after those steps (the higher). Prefill, by its ratio to the GEMM floor: the model's weight GEMMs "
-             "alone, unpadded, in chunks of 512 rows, on that side's own GEMM. Torch path: our kernels off. "
-             "Padding off: the torch path's probed plan without its padding (not exact; what exactness costs "
-             "there; on our kernels nothing is padded). Fixed fallback: the torch path's guaranteed plan, forced.",
-             "",
-             "| figure | " + " | ".join(sides) + " | HF transformers fp32 | HF / prefixcache |",
-             "|---|" + "---|" * (len(sides) + 2)]
-    for label, key, floor in [("prefill 1k (s)", "prefill_1024_s", "prefill_1024_floor_s"),
-                              ("prefill 4k (s)", "prefill_4096_s", "prefill_4096_floor_s"),
-                              ("decode step b=1 (ms)", "decode_b1_step_ms", "decode_b1_byte_floor_ms"),
-                              ("decode step b=8 (ms)", "decode_b8_step_ms", "decode_b8_byte_floor_ms")]:
-        cells = [f"{r[key]:.3g} ({r[key] / r[floor]:.2f}x)" for r in sides.values()]
-        lines.append(f"| {label} | {' | '.join(cells)} | {hf[key]:.3g} | {hf[key] / ours[key]:.2f}x |")
-    for label, key in (("byte floor, decode b=1 (ms)", "decode_b1_byte_floor_ms"),
-                       ("byte floor, decode b=8 (ms)", "decode_b8_byte_floor_ms"),
-                       ("GEMM floor, decode b=1 (ms)", "decode_b1_floor_ms"),
-                       ("GEMM floor, decode b=8 (ms)", "decode_b8_floor_ms"),
-                       ("read bandwidth at decode b=1 (GB/s)", "decode_b1_read_gb_s"),
-                       ("read bandwidth at decode b=8 (GB/s)", "decode_b8_read_gb_s"),
-                       ("load time (s)", "load_s"), ("peak RSS (MB)", "peak_rss_mb")):
-        hf_cells = f"{hf[key]:.3g} | {hf[key] / ours[key]:.2f}x" if key in hf else " | "
-        lines.append(f"| {label} | {' | '.join(f'{r[key]:.3g}' for r in sides.values())} | {hf_cells} |")
-    if "bf16 weights" in sides:
-        g = sides["bf16 weights"]["greedy_agreement"]
-        lines += ["", f"bf16 weights, greedy against fp32 (= HF fp32) on {g['prompts']} chats with ~1k-token system "
-                  f"prompts, {g['tokens']} tokens each: {g['identical']} identical; the others first differ at "
-                  f"token {g['first_difference'] or '-'}."]
-    lines += ["", "## Prefix cache", "", "| figure | value |", "|---|---|"]
-    for key in ("hit_4096_64_ttft_s", "miss_4096_64_ttft_s", "suffix_floor_64_on_4096_s", "hit_over_floor",
-                "miss_over_hit", "kv_bytes_per_token", "kv_dtype"):
-        v = ours[key]
-        lines.append(f"| {key} | {v:.3f} |" if isinstance(v, float) else f"| {key} | {v} |")
-    lines += ["", "Match + lock (hash the prompt, walk the tree, take references) for an 8192-token prompt:", "",
-              "| tokens cached | ms |", "|---|---|"]
-    lines += [f"| {k} | {v:.3f} |" for k, v in ours["match_lock"]["cached_tokens_to_ms"].items()]
-    return "\n".join(lines) + "\n"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--side", choices=["ours", "hf"])
@@ -306,7 +262,7 @@ def main() -> None:
     if args.side:
         print(json.dumps(side_ours(args.exactness, args.dtype, args.kernels) if args.side == "ours" else side_hf()))
         return
-    from prefixcache.models.exactness import cpu_info
+    from prefixcache.models.cpu import cpu_info
 
     cpu = cpu_info()
     sides = {"prefixcache": _run_side("ours"), "torch path": _run_side("ours", kernels="off"),
@@ -317,7 +273,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "engine.json"), "w") as f:
         json.dump({"cpu": str(cpu), **sides, "hf_transformers": hf}, f, indent=1)
-    md = report(sides, hf, str(cpu))
+    md = report(sides, hf, str(cpu), DECODE_CTX)
     with open(os.path.join(args.out, "engine.md"), "w") as f:
         f.write(md)
     print(md)

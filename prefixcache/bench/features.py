@@ -11,7 +11,7 @@ import time
 from prefixcache import LLM, SamplingParams
 from prefixcache.bench.engine import _tokens
 from prefixcache.engine.grammar import Guide
-from prefixcache.models.exactness import cpu_info
+from prefixcache.models.cpu import cpu_info
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"],
           "properties": {"items": {"type": "array", "items": {"type": "object", "additionalProperties": False,

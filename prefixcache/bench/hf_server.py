@@ -16,9 +16,9 @@ from fastapi.responses import StreamingResponse
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
-from prefixcache.config import default_model_path
+from prefixcache.config import Config, default_model_path
 from prefixcache.models.loader import converted_folder
-from prefixcache.server.openai import DEFAULT_MAX_TOKENS, ChatRequest, chat_prompt
+from prefixcache.server.openai_requests import ChatRequest
 
 
 class QueueStreamer(BaseStreamer):
@@ -55,8 +55,8 @@ def create_app(folder: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = ChatRequest(**await request.json())
-        ids = chat_prompt(tokenizer, req).token_ids
-        max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
+        ids = req.rendered(tokenizer).token_ids
+        max_tokens = req.max_completion_tokens or req.max_tokens or Config.max_tokens
         base = {"id": "chatcmpl-hf", "object": "chat.completion.chunk", "model": name}
 
         def sse(choices: list, usage: dict | None = None) -> str:

@@ -21,7 +21,7 @@ import httpx
 
 from prefixcache.bench.server import ADMIN_KEY, LocalServer, ServerOptions, scrape
 from prefixcache.config import default_model_path
-from prefixcache.models.exactness import cpu_info
+from prefixcache.models.cpu import cpu_info
 
 
 @dataclass

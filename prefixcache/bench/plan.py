@@ -223,15 +223,15 @@ def _replay(geometry: dict, budget: int, requests: list[Request], policy: str, t
 
     g = geometry
     pool = KVPool(g["layers"], g["kv_heads"], g["head_dim"], g["block_size"], budget, torch.float32)
-    blocks = BlockManager(pool, True, min_cache_tokens, ttl if policy == "ttl" else None, [])
     now = [0.0]
-    blocks.cache.clock = lambda: now[0]  # the log's time, so that TTLs expire as they would have
+    clock = lambda: now[0]  # noqa: E731  the log's time, so that TTLs expire as they would have
+    blocks = BlockManager(pool, True, min_cache_tokens, ttl if policy == "ttl" else None, [], clock=clock)
     if tiers:
-        below = LedgerTiers(tiers, g["tier_bytes"], Config.redis_ttl, blocks.cache.clock, seed)
+        below = LedgerTiers(tiers, g["tier_bytes"], Config.redis_ttl, clock, seed)
         blocks.attach(below)
     if policy == "fair":
         tenants = sorted({r.tenant for r in requests})
-        blocks.cache.set_shares({t: 1 / len(tenants) for t in tenants}, group=lambda owner: owner[0])
+        blocks.set_shares({t: 1 / len(tenants) for t in tenants})
     started, prompt, cached, ttfts, refused, tier_tokens = time.perf_counter(), 0, 0, [], 0, Counter()
     output = iter(range(TOKENS_FOR_OUTPUT[0], TOKENS_FOR_OUTPUT[1]))
     for r in requests:
@@ -262,7 +262,7 @@ def _replay(geometry: dict, budget: int, requests: list[Request], policy: str, t
             u = len(r.prompt) - c
             reads = sum(n // g["block_size"] * costs[f"{t}_block_s"] for t, n in loaded.items())
             ttfts.append(a * u + b * (u * u + 2 * u * c) + reads)
-    evicted = sum(blocks.cache.evictions.values())
+    evicted = sum(blocks.evictions.values())
     ttfts = ttfts if costs else []
     return Point(budget, pool.usable_blocks, cached / prompt if prompt else 0.0, prompt, cached, cached, evicted,
                  refused, dict(tier_tokens), None, statistics.fmean(ttfts) if ttfts else None,
@@ -286,42 +286,3 @@ def _costs(engine: str = ENGINE_BENCH, tiers: str = TIERS_BENCH) -> dict | None:
         out.update({f"{tier}_block_s": t[f"{tier.lower()}_read_s_per_block"] for tier in ("L2", "L3")
                     if f"{tier.lower()}_read_s_per_block" in t})
     return out
-
-
-def validate(workload: Workload, budgets: list[int], min_cache_tokens: int = 0, seed: int = 0,
-             tiers: dict[str, int] | None = None, model: str = "", server_log: str | None = None
-             ) -> list[float | None]:
-    """The hit rate a live server of ours (the real model) measures at each budget, driven by one user in the
-    log's order (or its arrival times), its cache emptied before each run: what the plan predicts. Tiers are a
-    folder of its own (L2) and a Redis of its own with `--maxmemory` the L3 size (L3), emptied with the cache."""
-    import secrets
-    import tempfile
-
-    from prefixcache.bench.driver import Target
-    from prefixcache.bench.report import Prices
-    from prefixcache.bench.runs import Bench, local, measure
-    from prefixcache.bench.server import RedisProcess, ServerOptions, Servers
-    from prefixcache.cache.credentials import TIER_SECRET_ENV
-
-    tiers = tiers or {}
-    os.environ.setdefault(TIER_SECRET_ENV, secrets.token_hex(32))
-    redis = RedisProcess(maxmemory=tiers["L3"]).start() if "L3" in tiers else None
-    disk = tempfile.TemporaryDirectory(prefix="plan-l2-") if "L2" in tiers else None
-    flags = ((("--disk-cache", disk.name, "--disk-cache-gb", str(tiers["L2"] / 2**30)) if disk else ()) +
-             (("--redis-url", redis.url) if redis else ()) + (("--model", model) if model else ()))
-    servers = Servers(workload.tenants, server_log)
-    try:
-        bench = Bench(Load(users=1, seed=seed), Prices(), ServerOptions(min_cache_tokens=min_cache_tokens,
-                                                                        extra=flags), servers)
-        out = []
-        for budget in budgets:
-            srv = local(bench, kv_cache_bytes=budget)
-            s, _ = measure(workload, Target("live", srv.url, srv.keys), bench, f"live, {mib(budget)}", srv)
-            out.append(s["hit_rate_tokens"])
-        return out
-    finally:
-        servers.close()
-        if redis:
-            redis.stop()
-        if disk:
-            disk.cleanup()

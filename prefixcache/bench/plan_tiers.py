@@ -92,6 +92,16 @@ class LedgerTiers:
     def pin(self, owner: str, keys: list[str], pinned: bool) -> None:
         pass
 
+    def health(self) -> dict:
+        return {}
+
+    def stats(self) -> dict:
+        return {name: {"blocks": len(t.entries), "bytes": t.bytes} for name, t in (("L2", self.l2), ("L3", self.l3))
+                if t is not None}
+
+    def close(self) -> None:
+        pass
+
     def _put(self, ledger: Ledger, owner: str, key: str, size: int, ttl: float | None) -> None:
         if key in ledger.entries:
             ledger.forget(key)

@@ -4,7 +4,7 @@ bench/results/reliability.md. Run: `make reliability`."""
 import argparse
 import json
 
-from prefixcache.models.exactness import cpu_info
+from prefixcache.models.cpu import cpu_info
 
 LINES = {
     "load": "{clients} concurrent clients, {requests} requests (streaming and not): {errors} errors, outputs equal to "

@@ -13,7 +13,7 @@ import time
 from prefixcache import LLM, SamplingParams
 from prefixcache.bench.workloads import SPECULATIVE, Size, Turn, build, text
 from prefixcache.cache.scope import CacheScope
-from prefixcache.models.exactness import cpu_info
+from prefixcache.models.cpu import cpu_info
 
 MODES = ("off", "prompt", "answers", "both")
 REPEATS = 2

@@ -10,7 +10,16 @@ import httpx
 from prefixcache.bench.driver import Load, Target
 from prefixcache.bench.runs import Bench, local, measure, target
 from prefixcache.bench.server import ADMIN_KEY
-from prefixcache.bench.workloads import Session, Size, Turn, Workload, multi_tenant, shared_system_prompt, system_prompt, text
+from prefixcache.bench.workloads import (
+    Session,
+    Size,
+    Turn,
+    Workload,
+    multi_tenant,
+    shared_system_prompt,
+    system_prompt,
+    text,
+)
 
 SUFFIX_TOKENS = 64
 

@@ -22,7 +22,7 @@ from prefixcache import LLM, SamplingParams
 from prefixcache.bench.server import RedisProcess
 from prefixcache.bench.workloads import text
 from prefixcache.cache.credentials import TIER_SECRET_ENV
-from prefixcache.models.exactness import cpu_info
+from prefixcache.models.cpu import cpu_info
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 

@@ -10,7 +10,6 @@ then "stored"/L2 for the blocks its disk kept. Batches are flushed every `interv
 engine thread only appends to a list; when Redis is down, batches are dropped and counted.
 """
 import threading
-import time
 
 import redis
 

@@ -1,69 +1,31 @@
-"""The prefix cache: a tree of KV blocks keyed by hash chains that start at the scope hash.
+"""The prefix cache: a tree of KV blocks keyed by hash chains that start at the scope hash (cache/keys.py).
 
-A full block's key is xxh3-128(parent key | scope key | token bytes), so equal keys mean equal tokens at equal
-positions under an equal scope, and two scopes never meet. A match also compares stored tokens and the parent
-link, so a hash collision can never serve wrong KV. Partial blocks (fewer than block_size tokens) hang off the
-tree as leaves; a hit on one, or on the head of a full block, is served by copying those tokens (copy-on-write).
+A match compares stored tokens and the parent link as well as keys, so a hash collision can never serve wrong KV.
+Partial blocks (fewer than block_size tokens) hang off the tree as leaves; a hit on one, or on the head of a full
+block, is served by copying those tokens (copy-on-write).
 
-Every node holds one pool reference on its block; a running sequence holds its own. A node may be evicted
-only when it is an unpinned leaf whose block nobody else references. Eviction takes expired entries first,
-then from the owner group furthest over its guaranteed share of the pool (shares are set per group, the engine's
-groups being tenants; by default equal, so the group holding the most: a tenant flooding the cache evicts its
-own entries, not others' below their share), then lower priority, then least recently used.
+Every node holds one pool reference on its block; a running sequence holds its own. A node may be evicted only
+when it is an unpinned leaf whose block nobody else references. Eviction takes expired entries first, then from
+the owner group furthest over its guaranteed share of the pool (cache/shares.py), then lower priority, then least
+recently used.
 
 The cache knows scope keys, tokens and block ids, never a request. Each scope with live entries has an opaque
 owner (the engine uses tenant and labels), so that an owner's entries can be purged under every scope it wrote.
-Listeners hear of every full block that enters or leaves (while its block still holds its K/V): the
-engine's tiers below host memory and KV events. NullCache stands in when caching is off.
+Listeners hear of every full block that enters or leaves (while its block still holds its K/V): the engine's tiers
+below host memory and KV events. What explains a miss is kept in cache/misses.py.
 """
 import heapq
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
-import xxhash
 
+from prefixcache.cache.keys import block_key
+from prefixcache.cache.misses import Misses
+from prefixcache.cache.node import Listener, Match, Node
 from prefixcache.cache.pool import KVPool
-
-
-GONE_MEMORY = 100_000  # removed keys remembered to explain misses
-
-
-@dataclass(eq=False)
-class Node:
-    key: bytes
-    parent: "Node | None"
-    scope: bytes
-    tokens: tuple[int, ...]
-    block: int
-    content: bytes = b""  # the key this block would have with no scope at all (for "scope differs" answers)
-    children: dict[bytes, "Node"] = field(default_factory=dict)
-    last_access: float = 0.0
-    ttl: float | None = None
-    expires_at: float = float("inf")
-    priority: int = 0
-    pinned: bool = False
-    alive: bool = True
-    hits: int = 0  # requests that reused this block
-
-
-@dataclass
-class Match:
-    nodes: list[Node]  # full blocks, used in place
-    partial: Node | None = None  # copied from: its first `partial_len` tokens
-    partial_len: int = 0
-
-    def __len__(self) -> int:
-        return sum(len(n.tokens) for n in self.nodes) + self.partial_len
-
-
-class Listener(Protocol):
-    def stored(self, node: Node) -> None: ...
-
-    def removed(self, node: Node, reason: str) -> None: ...
+from prefixcache.cache.shares import Victims
 
 
 class PrefixCache:
@@ -77,8 +39,7 @@ class PrefixCache:
         self.nodes: dict[bytes, Node] = {}
         self.evictions: Counter[str] = Counter()
         self.num_pinned = 0  # blocks that eviction may never take
-        self.contents: Counter[bytes] = Counter()  # scope-free keys of live full blocks
-        self.gone: OrderedDict[bytes, str] = OrderedDict()  # recently removed keys -> reason, for miss answers
+        self.misses = Misses()
         self.scopes: dict[bytes, list] = {}  # scope key -> [owner, live nodes]: bounded by the nodes
         self.listeners: list[Listener] = []
         self.shares: dict[Hashable, float] = {}  # owner group -> guaranteed fraction of the pool (set_shares)
@@ -135,9 +96,8 @@ class PrefixCache:
         assert parent.alive, "insert under an evicted node"
         node = Node(key, parent, scope, tokens, block, ttl=ttl, priority=priority,
                     content=block_key(parent.content, b"", np.asarray(tokens, dtype=np.int32).tobytes()))
-        self.contents[node.content] += 1
+        self.misses.stored(key, node.content)
         self.scopes.setdefault(scope, [owner, 0])[1] += 1
-        self.gone.pop(key, None)
         self.pool.ref(block)
         parent.children[key] = node
         self.nodes[key] = node
@@ -203,30 +163,19 @@ class PrefixCache:
         go first; then the owner group furthest over its guaranteed share (without shares: an equal share, so
         the group holding the most) gives up its own; within it, lower priority, then least recently used."""
         now = self.clock()
-        held: Counter = Counter()  # by group
-        for owner, n in self.scopes.values():
-            held[self.group(owner)] += n
-        guaranteed = self._guarantees(held)
-        heaps: dict[Hashable, list] = {}  # owner -> its evictable leaves, by rank
-        for node in self.nodes.values():
-            if self._evictable(node):
-                heaps.setdefault(self.scopes[node.scope][0], []).append(self._rank(node, now))
-        for heap in heaps.values():
-            heapq.heapify(heap)
+        victims = Victims(self.blocks_by_owner(), self.shares, self.group, self.pool.usable_blocks,
+                          ((self.owner(n), _rank(n, now)) for n in self.nodes.values() if self._evictable(n)))
         freed = 0
-        while freed < n_blocks and heaps:
-            owner = min(heaps, key=lambda o: (heaps[o][0][0], guaranteed[self.group(o)] - held[self.group(o)]))
-            rank = heapq.heappop(heaps[owner])
-            if not heaps[owner]:
-                del heaps[owner]
+        while freed < n_blocks and victims:
+            owner, rank = victims.pop()
             node = rank[-1]
             if not self._evictable(node):
                 continue
             parent = node.parent
-            held[self.group(owner)] -= 1
+            victims.took(owner)
             freed += self._remove(node, "ttl" if rank[0] == 0 else "capacity")
             if parent is not None and parent.parent is not None and self._evictable(parent):
-                heapq.heappush(heaps.setdefault(self.scopes[parent.scope][0], []), self._rank(parent, now))
+                victims.push(self.owner(parent), _rank(parent, now))
         return freed
 
     def purge(self, scope: bytes) -> int:
@@ -242,12 +191,11 @@ class PrefixCache:
         node = self.nodes.get(key)
         if node is not None and node.expires_at <= self.clock():
             return "expired"
-        reason = self.gone.get(key)
-        return None if reason is None else "expired" if reason == "ttl" else "evicted"
+        return self.misses.reason(key)
 
     def holds(self, tokens: list[int]) -> bool:
         """True if any scope holds a full-block path of exactly these tokens (len a multiple of block_size)."""
-        return chain_keys(tokens, [b""] * (len(tokens) // self.bs), self.bs)[-1] in self.contents
+        return self.misses.holds(tokens, self.bs)
 
     def _purge(self, scopes: set[bytes]) -> int:
         freed = 0
@@ -284,17 +232,6 @@ class PrefixCache:
     def _evictable(self, node: Node) -> bool:
         return node.alive and not node.children and not node.pinned and self.pool.refs[node.block] == 1
 
-    def _guarantees(self, held: Counter) -> dict[Hashable, float]:
-        """Guaranteed blocks of each group holding any: its share of the pool, or an equal part of the rest."""
-        capacity = self.pool.usable_blocks
-        free = [g for g in held if g not in self.shares]
-        rest = capacity * (1 - sum(self.shares.values())) / max(len(free), 1)
-        return {g: capacity * self.shares[g] if g in self.shares else rest for g in held}
-
-    @staticmethod
-    def _rank(node: Node, now: float):
-        return (0 if node.expires_at <= now else 1, node.priority, node.last_access, id(node), node)
-
     def _remove(self, node: Node, reason: str) -> int:
         assert not node.children and node.alive
         if len(node.tokens) == self.bs:
@@ -307,89 +244,18 @@ class PrefixCache:
         if not node.parent.children and node.parent.parent is None:
             del self.roots[node.parent.key]
         self.evictions[reason] += 1
-        self.contents[node.content] -= 1
-        if not self.contents[node.content]:
-            del self.contents[node.content]
-        self.gone[node.key] = reason
+        self.misses.removed(node.key, node.content, reason)
         entry = self.scopes[node.scope]
         entry[1] -= 1
         if not entry[1]:
             del self.scopes[node.scope]
-        if len(self.gone) > GONE_MEMORY:
-            self.gone.popitem(last=False)
         self.pool.unref(node.block)
         return 1
 
 
-class NullCache:
-    """The prefix cache when caching is off: nothing matches, nothing is kept."""
-
-    enabled = False
-    num_blocks = num_pinned = num_scopes = 0
-    evictions: Counter[str] = Counter()
-
-    def match(self, tokens, keys, scopes, partial_scopes, limit) -> Match:
-        return Match([])
-
-    def insert(self, *args, **kwargs) -> tuple[None, bool]:
-        return None, False
-
-    def touch(self, nodes) -> None:
-        pass
-
-    def reuse(self, nodes) -> None:
-        pass
-
-    def top(self, n: int) -> list:
-        return []
-
-    def blocks_by_owner(self) -> Counter:
-        return Counter()
-
-    def evict(self, n_blocks: int) -> int:
-        return 0
-
-    def set_shares(self, shares, group) -> None:
-        pass
-
-    def purge(self, scope: bytes) -> int:
-        return 0
-
-    def purge_owner(self, owner: Hashable) -> int:
-        return 0
-
-    def get(self, key: bytes) -> None:
-        return None
-
-    def explain(self, key: bytes) -> None:
-        return None
-
-    def holds(self, tokens: list[int]) -> bool:
-        return False
-
-    def clear(self) -> int:
-        return 0
-
-    def pin(self, nodes, pinned: bool = True) -> None:
-        pass
-
-    def evictable_blocks(self) -> int:
-        return 0
-
-
-def chain_keys(tokens: list[int], scopes: list[bytes], block_size: int, parent: bytes = b"") -> list[bytes]:
-    """Keys of the full blocks of `tokens` (block j under scopes[j]), chained from `parent`."""
-    data = np.asarray(tokens, dtype=np.int32).tobytes()
-    step = 4 * block_size
-    keys = []
-    for j in range(len(tokens) // block_size):
-        parent = block_key(parent, scopes[j], data[j * step:(j + 1) * step])
-        keys.append(parent)
-    return keys
-
-
-def block_key(parent: bytes, scope: bytes, token_bytes: bytes) -> bytes:
-    return xxhash.xxh3_128_digest(parent + scope + token_bytes)
+def _rank(node: Node, now: float) -> tuple:
+    """Eviction order within an owner: expired first (0), then lower priority, then least recently used."""
+    return (0 if node.expires_at <= now else 1, node.priority, node.last_access, id(node), node)
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:

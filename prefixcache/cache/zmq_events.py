@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 import msgspec
 import zmq
 
-from prefixcache.cache.radix import Node
+from prefixcache.cache.node import Node
 from prefixcache.cache.scope import PUBLIC_OWNERS
 
 INTERVAL = 0.01  # seconds between batches

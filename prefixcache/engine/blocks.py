@@ -4,31 +4,37 @@ It sits between the engine and the cache: the cache knows scope keys, tokens and
 """
 import dataclasses
 import math
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from concurrent.futures import FIRST_COMPLETED, wait
 
 import numpy as np
 
+from prefixcache.cache.base import Cache
+from prefixcache.cache.keys import block_key, chain_keys
+from prefixcache.cache.node import Listener, Match, Node
+from prefixcache.cache.null import NullCache
 from prefixcache.cache.policy import WritePolicy
 from prefixcache.cache.pool import KVPool
-from prefixcache.cache.radix import Listener, Match, Node, NullCache, PrefixCache, block_key, chain_keys
+from prefixcache.cache.radix import PrefixCache
 from prefixcache.cache.scope import CacheScope
-from prefixcache.engine.sequence import CacheState, Sequence
+from prefixcache.engine.hits import Hits
+from prefixcache.engine.sequence import Sequence
 from prefixcache.engine.tiering import Below, Tiering
 
 
 class BlockManager:
     def __init__(self, pool: KVPool, enabled: bool, min_cache_tokens: int, default_ttl: float | None,
-                 shared_prefixes: list[list[int]], log_cross_scope_misses: bool = False):
+                 shared_prefixes: list[list[int]], log_cross_scope_misses: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
+        """`clock`: the time TTLs are counted in (the capacity planner replays a log on the log's)."""
         self.pool = pool
         self.bs = pool.block_size
-        self.cache = PrefixCache(pool) if enabled else NullCache()
+        self.cache: Cache = PrefixCache(pool, clock) if enabled else NullCache()
         self.min_cache_tokens = min_cache_tokens
         self.default_ttl = default_ttl
         self.shared_prefixes = sorted((tuple(p) for p in shared_prefixes if p), key=len, reverse=True)
-        self.log_cross_scope_misses = log_cross_scope_misses  # operator-only: see _holds_elsewhere
-        self.query_tokens = 0
-        self.hit_tokens = 0
+        self.hits = Hits(self.cache, self.bs, log_cross_scope_misses)
         self.tiering: Tiering | None = None  # KV tiers below host memory, if any (attach)
 
     # ---- admission ----------------------------------------------------------------------------------------
@@ -106,7 +112,7 @@ class BlockManager:
         c = seq.cache
         c.nodes = list(m.nodes)
         if c.num_cached is None:  # accounting belongs to the first admission only
-            self._account(seq, m)
+            self.hits.account(seq, m, self.reads_cache(seq))
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
@@ -186,10 +192,26 @@ class BlockManager:
             self.tiering.purge(None)
         return self.cache.clear()
 
-    def pin(self, nodes: list, pinned: bool) -> None:
+    def purge(self, scope: CacheScope) -> int:
+        """Drop a scope's unreferenced entries (L1 only); returns blocks freed."""
+        return self.cache.purge(scope.key)
+
+    def pin(self, seq: Sequence, pinned: bool) -> int:
+        """Pin (or unpin) the cached full blocks of a prepared sequence's prompt; returns tokens pinned."""
+        nodes = self.match(seq, limit=seq.num_prompt).nodes
         self.cache.pin(nodes, pinned)
         if self.tiering:
             self.tiering.pin(nodes, pinned)
+        return len(nodes) * self.bs
+
+    def set_shares(self, shares: dict[str, float]) -> None:
+        """Guaranteed fractions of the pool by tenant: eviction takes from the tenant furthest over its share."""
+        self.cache.set_shares(shares, group=lambda owner: owner[0])  # owners are (tenant, labels)
+
+    def close(self) -> None:
+        """Finish the tiers' queued writes and stop their threads."""
+        if self.tiering:
+            self.tiering.close()
 
     # ---- state --------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -201,45 +223,23 @@ class BlockManager:
             "blocks_cached": cache.num_blocks, "blocks_cached_evictable": cache.evictable_blocks(),
             "bytes_cached": cache.num_blocks * pool.block_bytes, "bytes_used": used * pool.block_bytes,
             "occupancy_perc": 100.0 * used / pool.usable_blocks, "scopes_cached": cache.num_scopes,
-            "query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens,
-            "hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
-            "evictions": dict(cache.evictions),
+            **self.hits.stats(), "evictions": self.evictions,
+            "tiers": self.tiering.stats() if self.tiering else None,
         }
 
+    @property
+    def evictions(self) -> dict[str, int]:
+        """Blocks evicted from L1, by reason."""
+        return dict(self.cache.evictions)
+
+    def tiers_health(self) -> dict:
+        return self.tiering.health() if self.tiering else {}
+
+    def usage(self, top: int) -> tuple[dict, list]:
+        """Cached blocks by owner, and the `top` cached prefixes that saved the most prefill."""
+        return self.cache.blocks_by_owner(), self.cache.top(top)
+
     # ---- helpers ------------------------------------------------------------------------------------------
-    def _account(self, seq: Sequence, m: Match) -> None:
-        c = seq.cache
-        c.num_cached = seq.num_computed
-        self.query_tokens += seq.num_prompt
-        self.hit_tokens += c.num_cached
-        if len(m):
-            c.scope_kind = "shared" if any(n.scope != seq.scope.key for n in m.nodes + [m.partial] if n) else "own"
-        c.miss_cause = self._miss_cause(seq, m)
-        if self.log_cross_scope_misses and c.miss_cause not in ("hit", "disabled"):
-            c.cross_scope_miss = self._holds_elsewhere(seq, m)
-
-    def _miss_cause(self, seq: Sequence, m: Match) -> str:
-        """Why the cached match stopped where it did (at token len(m)). The tenant sees this answer, so it may
-        depend only on the scopes the request can read (its own and the shared one): every key looked up here
-        is chained from one of those scopes, never from another tenant's."""
-        if not self.reads_cache(seq):
-            return "disabled"
-        if len(m) == len(seq.tokens) - 1:
-            return "hit"
-        j = len(m.nodes)
-        gone = self.cache.explain(seq.cache.keys[j]) if j < len(seq.cache.keys) else None
-        if gone:
-            return gone
-        if seq.cache.policy.limit(len(seq.tokens)) == 0:
-            return "below_min_length"
-        return "diverged" if len(m) else "cold"
-
-    def _holds_elsewhere(self, seq: Sequence, m: Match) -> bool:
-        """True if some scope (any tenant's) holds the block where this request's match stopped. For the
-        operator's log only: telling the tenant would reveal what another tenant has cached."""
-        end = (len(m.nodes) + 1) * self.bs
-        return end <= len(seq.tokens) and self.cache.holds(seq.tokens[:end])
-
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.bs)
 

@@ -25,7 +25,7 @@ class LLM:
         requests = [self.engine.add_request(t, params, scope, breakpoints, priority).samples for t in token_lists]
         while any(s.finish_reason is None for samples in requests for s in samples):
             self.engine.step()
-        return [o for samples in requests for o in best([self.engine.output(s) for s in samples], params.n)]
+        return [o for samples in requests for o in best([s.output() for s in samples], params.n)]
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              scope: CacheScope | None = None, tools: list[dict] | None = None) -> RequestOutput | list[RequestOutput]:
@@ -45,7 +45,7 @@ class LLM:
         return render(self.tokenizer, fields({"messages": messages, "tools": tools})).token_ids
 
     def pin(self, prompt: str | list[int], scope: CacheScope | None = None, pinned: bool = True) -> int:
-        return self.engine.pin(self.encode(prompt) if isinstance(prompt, str) else list(prompt), scope, pinned)
+        return self.engine.cache.pin(self.encode(prompt) if isinstance(prompt, str) else list(prompt), scope, pinned)
 
     def cache_stats(self) -> dict:
         return self.engine.stats()

@@ -3,10 +3,14 @@ from typing import Callable
 
 import torch
 
+from prefixcache import kernels
 from prefixcache.cache.pool import KVPool
+from prefixcache.config import Config
+from prefixcache.engine.sampler import logprobs
 from prefixcache.engine.sequence import Sequence
 from prefixcache.models.attention import Queries
 from prefixcache.models.llama import Batch, Llama
+from prefixcache.models.rowwise import KernelOps, TorchOps
 
 
 class ModelRunner:
@@ -45,3 +49,26 @@ class ModelRunner:
         prompt = {sid: (p, hidden[a:b]) for sid, (p, a, b) in prompt_rows.items()}
         ends = [i for _, i in owners[1:]] + [len(rows)]
         return {sid: logits[i:end] for (sid, i), end in zip(owners, ends)}, prompt
+
+    def prompt_logprobs(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens after positions start.. (whose hidden states these are). The LM head runs on
+        at most head_rows rows per call: the row counts the exactness probe verified for it."""
+        rows = self.head_rows
+        for i in range(0, len(hidden), rows):
+            raw = torch.log_softmax(self.model.logits(hidden[i:i + rows]).float(), dim=-1)
+            p = start + i + 1
+            targets = seq.tokens[p:p + len(raw)]
+            seq.prompt_logprobs[p:p + len(raw)] = logprobs(raw, targets, [seq.params.prompt_logprobs] * len(raw),
+                                                           ranks=True)
+
+
+def choose_ops(config: Config, head_dim: int) -> tuple[KernelOps | TorchOps, str]:
+    """Our kernels where they can run, else torch's; and what runs, or why the kernels do not."""
+    unfit = [why for why, bad in (("float32 only", config.dtype != "float32" or config.kv_storage_dtype != "float32"),
+                                  (f"exactness={config.exactness!r} forces the torch path", config.exactness != "auto"),
+                                  ("block size and head size must be multiples of 16",
+                                   config.block_size % 16 or head_dim % 16)) if bad]
+    if config.kernels == "off" or unfit:
+        return TorchOps(), f"off: {'; '.join(unfit) or 'kernels=off'}"
+    choice = kernels.choose(config.kernels)
+    return (KernelOps(choice.isa) if choice.isa else TorchOps()), choice.status

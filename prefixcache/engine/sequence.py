@@ -2,6 +2,7 @@
 import itertools
 import secrets
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -20,7 +21,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # vLLM's: tokens less likely than min_p times the likeliest (after temperature) are dropped
-    max_tokens: int = 64
+    max_tokens: int | None = None  # None: the engine's Config.max_tokens
     stop: list[str] = field(default_factory=list)
     seed: int | None = None  # sample i of n gets seed + i
     ignore_eos: bool = False
@@ -43,7 +44,7 @@ class SamplingParams:
     speculative: bool = True  # False: never draft for this request (when the engine's speculation is on)
 
     def __post_init__(self):
-        if self.max_tokens is None or self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -59,7 +60,7 @@ class SamplingParams:
             self.stop = [self.stop]
         if not all(-100 <= b <= 100 for b in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
@@ -178,7 +179,10 @@ _ids = itertools.count()
 
 class Sequence:
     def __init__(self, prompt: list[int], params: SamplingParams, scope: CacheScope,
-                 breakpoints: list[Breakpoint] = (), priority: int = 0):
+                 breakpoints: list[Breakpoint] = (), priority: int = 0, *, detok: Detokenizer | None = None,
+                 grammar: Future | None = None, draft_len: int = 0, samples: list["Sequence"] | None = None):
+        """A sequence of its own; request_samples() makes those of a request, which share `samples`. `detok`
+        (None: no text), `grammar` (the guide's, compiling off the engine thread), `draft_len` (0: no drafts)."""
         self.id = next(_ids)
         self.tokens = list(prompt)
         self.num_prompt = len(prompt)
@@ -196,17 +200,17 @@ class Sequence:
         # the base of its random numbers: a token's draw depends only on it and the token's position
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.text = ""  # the output text (cut at a stop string)
-        self.detok: Detokenizer | None = None  # set by the engine, which has the tokenizer
-        self.grammar: Future | None = None  # the guide's compiled grammar (compiled off the engine thread)
+        self.detok = detok
+        self.grammar = grammar  # until it has compiled; then the matcher
         self.matcher: Matcher | None = None  # the guide's grammar state, once the grammar is compiled
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self.index = 0  # sample index within the request
-        self.samples = [self]  # the request's samples, on each of them; samples[0] computes the prompt
+        self.index = 0 if samples is None else len(samples)  # which of its request's samples this is
+        self.samples = [self] if samples is None else samples  # the request's; samples[0] computes the prompt
         self.forks: list[Sequence] = []  # samples waiting to start from this one's prompt (samples[0] only)
         self.cumulative_logprob = 0.0
-        self.draft_len = 0  # the next draft's length (speculation); shrinks with rejections, 0 stops drafting
+        self.draft_len = draft_len  # the next draft's length (speculation); shrinks with rejections, 0 stops
         self.draft_misses = 0  # drafts in a row with nothing accepted
         self.accepted_draft_tokens = 0
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -220,3 +224,31 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.tokens) - self.num_computed
+
+    def output(self) -> RequestOutput:
+        seq = self
+        end, c = seq.finish_time, seq.cache
+        return RequestOutput(
+            request_id=seq.id, prompt_token_ids=seq.tokens[:seq.num_prompt], token_ids=seq.output_ids, text=seq.text,
+            finish_reason=seq.finish_reason, cached_tokens=c.num_cached or 0, cache_write_tokens=dict(c.write),
+            scope_kind=c.scope_kind, miss_cause=c.miss_cause,
+            ttft=seq.first_token_time - seq.arrival if seq.first_token_time else None,
+            latency=end - seq.arrival if end else None, index=seq.index, cumulative_logprob=seq.cumulative_logprob,
+            logprobs=seq.logprobs and list(seq.logprobs),
+            prompt_logprobs=seq.prompt_logprobs and list(seq.prompt_logprobs),
+            accepted_draft_tokens=seq.accepted_draft_tokens, cached_by_tier=c.by_tier(),
+            error=seq.fault.message if seq.fault else None,
+        )
+
+
+def request_samples(prompt: list[int], params: SamplingParams, scope: CacheScope, breakpoints: list[Breakpoint],
+                    priority: int, detok: Callable[[], Detokenizer], grammar: Future | None,
+                    draft_len: int) -> list[Sequence]:
+    """A request's params.num_samples samples: samples[0] computes the prompt, the others wait in its forks to
+    start from its blocks (sample i draws with seed + i)."""
+    samples: list[Sequence] = []
+    for i in range(params.num_samples):
+        samples.append(Sequence(prompt, params.sample(i), scope, breakpoints, priority, detok=detok(),
+                                grammar=grammar, draft_len=draft_len, samples=samples))
+    samples[0].forks = samples[1:]
+    return samples

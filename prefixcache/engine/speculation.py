@@ -8,7 +8,7 @@ import torch
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.drafter import Drafter
 from prefixcache.engine.sampler import Sampler
-from prefixcache.engine.sequence import Sequence, TokenLogprob
+from prefixcache.engine.sequence import SamplingParams, Sequence, TokenLogprob
 
 log = logging.getLogger("prefixcache.engine")
 
@@ -22,9 +22,8 @@ class Speculation:
         self.num_tokens, self.max_batch_tokens, self.max_model_len = num_tokens, max_batch_tokens, max_model_len
         self.counts = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}  # since start
 
-    def applies(self, seq: Sequence) -> bool:
-        """Whether to draft for this request: never with features verified one token at a time elsewhere."""
-        p = seq.params
+    def applies(self, p: SamplingParams) -> bool:
+        """Whether to draft for a request: never with features verified one token at a time elsewhere."""
         return self.drafter.enabled and p.speculative and not (p.penalized or p.logprobs is not None or p.guide)
 
     def drafts(self, plan: list[tuple[Sequence, int]]) -> dict[int, list[int]]:

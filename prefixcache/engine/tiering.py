@@ -12,11 +12,12 @@ from typing import Protocol
 
 import torch
 
+from prefixcache.cache.base import Cache
 from prefixcache.cache.credentials import redis_password, tier_secret
 from prefixcache.cache.disk import DiskTier
 from prefixcache.cache.events import KVEvents
+from prefixcache.cache.node import Match, Node
 from prefixcache.cache.pool import KVPool
-from prefixcache.cache.radix import Match, Node, PrefixCache
 from prefixcache.cache.record import Record
 from prefixcache.cache.remote import RedisTier
 from prefixcache.cache.scope import CacheScope
@@ -35,14 +36,14 @@ def open_tiers(cfg: Config, model: ModelConfig, replica_id: str) -> Tiers:
     remote = RedisTier(cfg.redis_url, cfg.redis_ttl, password=password) if l3 else None
     events = KVEvents(cfg.redis_url, replica_id, password=password) if cfg.redis_url else None
     shape = (model.num_layers, cfg.block_size, model.num_kv_heads, model.head_dim)
-    return Tiers(shape, getattr(torch, cfg.kv_dtype), disk, remote, events, secret=secret)
+    return Tiers(shape, getattr(torch, cfg.kv_storage_dtype), disk, remote, events, secret=secret)
 
 
 class Blocks(Protocol):
     """What Tiering uses of the BlockManager (engine/blocks.py) that owns it."""
 
     pool: KVPool
-    cache: PrefixCache
+    cache: Cache
     bs: int
 
     def match(self, seq: Sequence, limit: int | None = None) -> Match: ...
@@ -66,6 +67,12 @@ class Below(Protocol):
     def purge(self, owner: str | None) -> None: ...
 
     def pin(self, owner: str, keys: list[str], pinned: bool) -> None: ...
+
+    def health(self) -> dict: ...
+
+    def stats(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
 class Tiering:
@@ -115,6 +122,15 @@ class Tiering:
     def pin(self, nodes: list[Node], pinned: bool) -> None:
         for node in nodes:
             self.tiers.pin(self._owner(node), [node.key.hex()], pinned)
+
+    def health(self) -> dict:
+        return self.tiers.health()
+
+    def stats(self) -> dict:
+        return self.tiers.stats()
+
+    def close(self) -> None:
+        self.tiers.close()
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _load(self, seq: Sequence, first: int, found: list) -> None:

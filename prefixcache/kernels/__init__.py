@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixcache.config import ISAS
+
 log = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.path.join(HERE, "build")
 LIBRARY = "prefixcache_kernels"
 SOURCES = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
-ISAS = ("avx512", "avx2")  # the ops' isa argument is an index into this
-CHOICES = ("auto", *ISAS, "off")
 
 _loaded: list[str] = []  # the reason the library is not loaded, or "" once it is
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from prefixcache.kernels import ISAS, source_hash
+from prefixcache.config import ISAS
+from prefixcache.kernels import source_hash
 
 _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # in every x86-64 build of torch
 

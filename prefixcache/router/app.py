@@ -18,8 +18,8 @@ from prefixcache.router.index import PrefixIndex
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.proxy import AUTH_HEADERS, Router
 from prefixcache.router.replicas import HEALTH_TIMEOUT, HealthChecker, Replica
-from prefixcache.server.app import BodyLimit
 from prefixcache.server.errors import ApiError
+from prefixcache.server.middleware import BodyLimit
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 

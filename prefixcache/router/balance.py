@@ -3,7 +3,6 @@ clearly uneven, else follow the longest cached prefix when enough of the request
 from dataclasses import dataclass
 from typing import Sequence
 
-
 POLICIES = ("cache-aware", "round-robin")
 
 

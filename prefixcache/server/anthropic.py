@@ -16,10 +16,11 @@ from pydantic import Field, model_validator
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import Prompt, fields, render
-from prefixcache.server.auth import client_salt, principal
+from prefixcache.server.auth import client_salt
 from prefixcache.server.errors import ApiError, Strict
 from prefixcache.server.generation import Generation
 from prefixcache.server.principal import Principal
+from prefixcache.server.state import current, principal
 from prefixcache.server.tools import Holdback, ToolUse
 
 MAX_BREAKPOINTS = 4
@@ -157,7 +158,7 @@ def stop_reason(tokenizer, gen: Generation, stops: list[str]) -> tuple[str, str 
 
 @router.post("/v1/messages")
 async def messages(request: Request, req: MessagesRequest, caller: Principal = Depends(principal)):
-    server = request.app.state.server
+    server = current(request)
     server.check_model(req.model)
     if req.max_tokens >= server.engine.max_model_len:
         raise ApiError(400, f"max_tokens must be below the context window ({server.engine.max_model_len})")

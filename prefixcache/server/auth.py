@@ -10,14 +10,10 @@ import hmac
 import json
 import logging
 
-from fastapi import Request
-
 from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT
 from prefixcache.server.errors import ApiError
 from prefixcache.server.oidc import OidcVerifier
 from prefixcache.server.principal import LOCAL, Principal
-
-
 
 log = logging.getLogger("prefixcache.auth")
 
@@ -48,12 +44,6 @@ class Keys:
             log.error("API keys not reloaded from %s: %s", self.path, type(e).__name__)
             return
         log.info("API keys reloaded: %d keys", len(self.entries))
-
-
-def principal(request: Request) -> Principal:
-    """FastAPI dependency: the caller, from its API key or identity token (resolved before the body is validated,
-    so a bad credential is a 401 whatever the body)."""
-    return request.app.state.server.auth(request)
 
 
 def client_salt(cache_salt: str | None, prompt_cache_key: str | None) -> str:

@@ -10,10 +10,10 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 
 from prefixcache.server.anthropic import MessagesRequest, build_prompt
-from prefixcache.server.auth import principal
 from prefixcache.server.errors import Strict, invalid
-from prefixcache.server.openai import ChatRequest, CompletionRequest, completion_prompt
+from prefixcache.server.openai_requests import ChatRequest, CompletionRequest, completion_prompt
 from prefixcache.server.principal import Principal
+from prefixcache.server.state import current, principal
 
 router = APIRouter()
 
@@ -25,7 +25,7 @@ class KeysRequest(Strict):
 
 @router.post("/v1/cache/keys")
 async def cache_keys(request: Request, req: KeysRequest, caller: Principal = Depends(principal)):
-    server = request.app.state.server
+    server = current(request)
     tokenizer = server.tokenizer
     try:
         if req.path == "/v1/messages":
@@ -40,4 +40,4 @@ async def cache_keys(request: Request, req: KeysRequest, caller: Principal = Dep
     except ValidationError as e:
         raise invalid([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
     scope = caller.scope(salt)
-    return {"block_size": server.engine.config.block_size, "keys": server.engine.prefix_keys(prompt, scope)}
+    return {"block_size": server.engine.config.block_size, "keys": server.engine.cache.prefix_keys(prompt, scope)}

@@ -9,7 +9,8 @@ from typing import Callable
 
 from prefixcache.engine.sequence import RequestOutput, SamplingParams, TokenLogprob
 from prefixcache.server.errors import ApiError
-from prefixcache.server.worker import Handle, Report, Update
+from prefixcache.server.metrics import Metrics
+from prefixcache.server.worker import EngineWorker, Handle, Report, Update
 
 log = logging.getLogger("prefixcache.request")
 
@@ -36,9 +37,10 @@ class Delta:
 
 
 class Generation:
-    def __init__(self, server, handle: Handle, api: str, tenant: str, params: SamplingParams,
-                 where: Callable[[int], str] | None = None):
-        self.server, self.handle, self.api, self.tenant, self.where = server, handle, api, tenant, where
+    def __init__(self, worker: EngineWorker, metrics: Metrics, handle: Handle, api: str, tenant: str,
+                 params: SamplingParams, where: Callable[[int], str] | None = None, log_misses: bool = False):
+        self.worker, self.metrics, self.handle, self.api, self.tenant = worker, metrics, handle, api, tenant
+        self.where, self.log_misses = where, log_misses  # log_misses: Config.log_cross_scope_misses
         self.holdback = max((len(s) for s in params.stop), default=1) - 1  # a stop string may still be completing
         self.pending: Update | None = None
         self.report: Report | None = None  # the latest counts, from the engine thread's updates
@@ -131,8 +133,8 @@ class Generation:
     def close(self, status: int = 200) -> None:
         if self.handle.done:
             return
-        self.server.worker.finished(self.handle)
-        out, m = self.output, self.server.metrics
+        self.worker.finished(self.handle)
+        out, m = self.output, self.metrics
         aborted = out is None and status in (200, CLIENT_CLOSED)
         for s in self.samples:
             if s.output is not None:
@@ -153,13 +155,13 @@ class Generation:
             "ttft": round(out.ttft, 4) if out and out.ttft else None,
             "latency": round(time.monotonic() - self.start_time, 4),
         }
-        if self.server.cfg.engine.log_cross_scope_misses:
+        if self.log_misses:
             line["cross_scope_miss"] = r.cross_scope_miss
         log.info(json.dumps(line))
 
     def stream_failed(self, e: ApiError) -> None:
         """The request failed after its stream began, so no error handler renders it: count and log it here."""
-        self.server.metrics.status(self.api, e.status)
+        self.metrics.status(self.api, e.status)
         log.info(json.dumps({"api": self.api, "tenant": self.tenant, "status": e.status, "error": e.message,
                              "streamed": True}))
 

@@ -26,8 +26,8 @@ from urllib.parse import urlparse
 import jwt
 
 from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT
-from prefixcache.server.principal import Principal
 from prefixcache.server.errors import ApiError
+from prefixcache.server.principal import Principal
 
 ASYMMETRIC = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # where a plain-http JWKS URL is allowed (tests, a local proxy)

@@ -13,7 +13,9 @@ import time
 
 import uvicorn
 
-from prefixcache.server.app import Server, ServeConfig, create_app
+from prefixcache.server.app import create_app
+from prefixcache.server.config import ServeConfig
+from prefixcache.server.state import Server
 
 CUT_SECONDS = 1.0  # after the grace period: how long uvicorn waits for connections before cutting them
 

@@ -11,10 +11,11 @@ from dataclasses import fields as dataclass_fields
 from fastapi import APIRouter, Depends, Request
 from pydantic import Field, ValidationError, model_validator
 
-from prefixcache.server.auth import principal
 from prefixcache.server.errors import ApiError, Strict, invalid
-from prefixcache.server.openai import ChatRequest, Common, CompletionRequest, Message, completion_prompt
+from prefixcache.server.openai_requests import ChatRequest, Common, CompletionRequest, completion_prompt
+from prefixcache.server.openai_types import Message
 from prefixcache.server.principal import Principal
+from prefixcache.server.state import current, principal
 
 router = APIRouter()
 
@@ -44,7 +45,7 @@ class DetokenizeRequest(Strict):
 
 @router.post("/tokenize")
 async def tokenize(request: Request, req: TokenizeRequest, caller: Principal = Depends(principal)):
-    server = request.app.state.server
+    server = current(request)
     server.check_model(req.model)
     if req.prompt is not None:
         ids = server.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
@@ -62,7 +63,7 @@ async def tokenize(request: Request, req: TokenizeRequest, caller: Principal = D
 
 @router.post("/detokenize")
 async def detokenize(request: Request, req: DetokenizeRequest, caller: Principal = Depends(principal)):
-    server = request.app.state.server
+    server = current(request)
     server.check_model(req.model)
     vocab = server.engine.model_config.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):
@@ -72,7 +73,7 @@ async def detokenize(request: Request, req: DetokenizeRequest, caller: Principal
 
 @router.post("/v1/completions/render")
 async def render_completion(request: Request, req: CompletionRequest, caller: Principal = Depends(principal)):
-    server = request.app.state.server
+    server = current(request)
     server.check_model(req.model)
     prompt = completion_prompt(server.tokenizer, req, server.engine.max_model_len)
     return [generate_request(server, req, prompt, "cmpl")]  # vLLM's: one per prompt
@@ -80,7 +81,7 @@ async def render_completion(request: Request, req: CompletionRequest, caller: Pr
 
 @router.post("/v1/chat/completions/render")
 async def render_chat(request: Request, req: ChatRequest, caller: Principal = Depends(principal)):
-    server = request.app.state.server
+    server = current(request)
     server.check_model(req.model)
     return generate_request(server, req, req.rendered(server.tokenizer).token_ids, "chatcmpl")
 

@@ -225,7 +225,7 @@ class EngineWorker:
             self._deliver(handle, update)
 
     def _update(self, seq: Sequence, now: float) -> Update:
-        out = self.engine.output(seq) if seq.finish_reason is not None else None
+        out = seq.output() if seq.finish_reason is not None else None
         # one token per step: the last logprob is this update's
         first = seq.prompt_logprobs is not None and len(seq.output_ids) == 1
         return Update(seq.text, now, Report.of(seq), out, index=seq.index,

@@ -1,0 +1,40 @@
+"""The prefix cache's entries, as every cache (cache/base.py), its users and its listeners see them: Node (one
+cached block, a node of the tree), Match (a cached prefix of a request) and Listener (told of full blocks entering
+and leaving the cache).
+"""
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(eq=False)
+class Node:
+    key: bytes
+    parent: "Node | None"
+    scope: bytes
+    tokens: tuple[int, ...]
+    block: int
+    content: bytes = b""  # the key this block would have with no scope at all (for "scope differs" answers)
+    children: dict[bytes, "Node"] = field(default_factory=dict)
+    last_access: float = 0.0
+    ttl: float | None = None
+    expires_at: float = float("inf")
+    priority: int = 0
+    pinned: bool = False
+    alive: bool = True
+    hits: int = 0  # requests that reused this block
+
+
+@dataclass
+class Match:
+    nodes: list[Node]  # full blocks, used in place
+    partial: Node | None = None  # copied from: its first `partial_len` tokens
+    partial_len: int = 0
+
+    def __len__(self) -> int:
+        return sum(len(n.tokens) for n in self.nodes) + self.partial_len
+
+
+class Listener(Protocol):
+    def stored(self, node: Node) -> None: ...
+
+    def removed(self, node: Node, reason: str) -> None: ...

@@ -1,0 +1,177 @@
+"""The startup probe: the exactness plan (models/exactness.py) for a model on the CPU at hand, and its disk cache.
+
+On the torch path it runs the model's own row-wise ops (every GEMM shape on the real weights, RMSNorm, SwiGLU) and
+its attention on random rows and compares each row with a reference call. On our kernels it confirms them (mode
+"kernel"): every row count of every row-wise op gives the reference's bits, attention rows equal whatever their
+batch, items and block placement, and each op agrees with a float64 reference (models/kernel_check.py). A kernel
+that fails any of this is dropped for the torch path, which is probed. Results are cached per CPU, flags, library
+versions, threads, shapes and the source of the ops, kernels and probe, under $PREFIXCACHE_HOME/exactness.
+"""
+import hashlib
+import inspect
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict
+from typing import Callable
+
+import torch
+
+from prefixcache import kernels
+from prefixcache.config import MODES
+from prefixcache.models import attention, exactness, kernel_check, paged
+from prefixcache.models.attention import Queries
+from prefixcache.models.cpu import cpu_info
+from prefixcache.models.exactness import (
+    ATTN_SIZES,
+    KEY_STEP,
+    PAD_LIMIT,
+    Exactness,
+    OpClasses,
+    Target,
+    choose,
+    classify,
+    row_counts,
+    row_target,
+    rows_plan,
+)
+from prefixcache.models.rowwise import TorchOps
+
+log = logging.getLogger(__name__)
+
+
+def probe(model, mode: str, max_rows: int, max_head_rows: int, kernel_status: str = "") -> Exactness:
+    """The plan for `model` (a Llama: row_ops(), attn_plan(), config, tile, embed, paged, use()) on this CPU, from
+    the cache or a probe. On our kernels it confirms them, or moves the model to the torch path and probes that.
+    Never raises: a failed probe gives the rows plan, and says so."""
+    assert mode in MODES, mode
+    if model.paged:
+        plan = _cached(model, "kernel", max_rows, max_head_rows, _confirm)
+        if plan.mode == "kernel":
+            plan.kernels = kernel_status
+            return plan
+        kernel_status = f"off: failed the startup check ({plan.note})"
+        log.warning("prefixcache kernels: %s; running the torch path", kernel_status)
+        model.use(TorchOps())
+    if mode == "rows":
+        plan = rows_plan(str(cpu_info()), "forced")
+    else:
+        plan = _cached(model, mode, max_rows, max_head_rows, _search)
+    plan.kernels = kernel_status
+    return plan
+
+
+def _cached(model, mode: str, max_rows: int, max_head_rows: int, find: Callable[..., Exactness]) -> Exactness:
+    """find(model, mode, max_rows, max_head_rows, cpu), or its result cached for the same CPU, code and shapes."""
+    cpu = cpu_info()
+    ops, dtype = model.row_ops(), model.embed.dtype
+    max_rows = max(max_rows, PAD_LIMIT)  # probe the pad regime whatever the batch limit
+    env = {k: v for k, v in os.environ.items() if k.startswith(("MKL_", "OMP_", "KMP_", "ONEDNN_", "DNNL_", "ATEN_"))}
+    code = "".join(inspect.getsource(sys.modules[m]) for m in (__name__, exactness.__name__, type(model).__module__,
+                                                                attention.__name__, paged.__name__,
+                                                                kernel_check.__name__, type(model.ops).__module__))
+    code += kernels.source_hash() if model.paged else ""
+    key = json.dumps([code, mode, model.ops.name, asdict(cpu), env, str(dtype), max_rows, max_head_rows,
+                      [(o.name, o.shape) for o in ops], [model.config.num_kv_heads, model.config.head_dim, model.tile]])
+    home = os.environ.get("PREFIXCACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "prefixcache"))
+    path = os.path.join(home, "exactness", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        return Exactness(**{**d, "ops": [OpClasses(**o) for o in d["ops"]], "cached": True})
+    except (OSError, ValueError, TypeError):
+        pass
+    t0 = time.perf_counter()
+    try:
+        plan = find(model, mode, max_rows, max_head_rows, str(cpu))
+    except Exception as e:  # noqa: BLE001 -- a probe must never stop the engine
+        log.warning("exactness probe failed (%r): computing one row per call", e)
+        return rows_plan(str(cpu), f"probe failed: {e!r}")
+    plan.probe_seconds = round(time.perf_counter() - t0, 3)
+    if mode != plan.mode and not (mode == "auto" and plan.mode == "pad"):
+        log.warning("exactness: %s asked, %s chosen: %s", mode, plan.mode, plan.note)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.tmp{os.getpid()}", "w") as f:
+            json.dump(asdict(plan), f)
+        os.replace(f"{path}.tmp{os.getpid()}", path)
+    except OSError as e:
+        log.info("exactness: could not cache the probe at %s: %s", path, e)
+    return plan
+
+
+def _search(model, mode: str, max_rows: int, max_head_rows: int, cpu: str) -> Exactness:
+    dtype = model.embed.dtype
+    plan = choose(model.row_ops(), _attention(model, dtype), mode, max_rows, max_head_rows, dtype, cpu)
+    plan.key_lengths = _key_lengths(model, dtype, plan.attn_sizes)
+    return plan
+
+
+def _confirm(model, mode: str, max_rows: int, max_head_rows: int, cpu: str) -> Exactness:
+    """Mode "kernel" if every row count of every row-wise op gives the reference's bits, paged attention gives each
+    row the bits it gets alone, and each agrees with float64; else mode "failed", the note saying what broke."""
+    gen = torch.Generator().manual_seed(0)
+    ops = model.row_ops()
+    classes = [classify(op.name, op.shape, row_target(op, max_rows + 1, model.embed.dtype, gen),
+                        list(range(1, max_head_rows + 1)) if op.head else row_counts(max_rows)) for op in ops]
+    broken = [f"{c.name} differs at {c.differ[:4]} rows" for c in classes if c.differ]
+    broken += kernel_check.problems(model, gen)
+    if broken:
+        return Exactness("failed", 1, [1], [1], cpu, "; ".join(broken), classes)
+    return Exactness("kernel", 1, [1], [], cpu, f"{model.ops.name} kernels: every row count from 1 to {max_rows} "
+                     "agrees, and attention rows equal alone, batched and with moved blocks", classes)
+
+
+def _attention(model, dtype: torch.dtype) -> Target:
+    """Attention as the engine runs it, over two tiles of keys (so the merge is exercised; the first read in place,
+    the second gathered). The rows are query tokens of one sequence at random positions; a call from row 0 also
+    carries a second sequence reading the same blocks (the cascade), so each comparison also varies who shares it."""
+    c, tile, n = model.config, model.tile, ATTN_SIZES[-1] + 1
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2 * n, c.num_heads, c.head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(2 * tile, c.num_kv_heads, c.head_dim, generator=gen).to(dtype) for _ in range(2))
+    pos = torch.randint(0, 2 * tile, (2 * n,), generator=gen).tolist()
+    table = _table(tile, gen)
+
+    def g(lo: int, hi: int, size: int) -> torch.Tensor:
+        m = hi - lo
+        queries = [Queries(0, pos[lo:hi], 2 * tile, table)]
+        rows = q[lo:hi]
+        if lo == 0:
+            queries.append(Queries(m, pos[n:n + m], 2 * tile, table))
+            rows = torch.cat([rows, q[n:n + m]])
+        return _attend(model, rows, k, v, queries, [size], [])[:m]
+    return g
+
+
+def _key_lengths(model, dtype: torch.dtype, sizes: list[int]) -> list[int]:
+    """Key counts below a whole tile (multiples of KEY_STEP) whose call gives each row the bits of the whole
+    tile's call with the extra keys masked, for every query size in `sizes`."""
+    c, tile = model.config, model.tile
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(8, c.num_heads, c.head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(2 * tile, c.num_kv_heads, c.head_dim, generator=gen).to(dtype) for _ in range(2))
+    table, good = _table(tile, gen), []
+    for length in range(KEY_STEP, tile, KEY_STEP):
+        pos = torch.randint(0, tile + length, (len(q),), generator=gen).tolist()
+        queries = [Queries(0, pos[:-1] + [tile + length - 1], tile + length, table)]
+        if all(torch.equal(_attend(model, q, k, v, queries, [s], [length]), _attend(model, q, k, v, queries, [s], []))
+               for s in sizes):
+            good.append(length)
+    return good
+
+
+def _table(tile: int, gen: torch.Generator) -> list[int]:
+    """Blocks of KEY_STEP keys for two tiles: the first tile's consecutive, the second's shuffled."""
+    per_tile = tile // KEY_STEP
+    return list(range(per_tile)) + (per_tile + torch.randperm(per_tile, generator=gen)).tolist()
+
+
+def _attend(model, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: list[Queries], attn_sizes: list[int],
+            key_lengths: list[int]) -> torch.Tensor:
+    """The model's attention over pool k, v in blocks of KEY_STEP keys, under the given sizes and lengths."""
+    exact = Exactness("pad", 1, [1], attn_sizes, "", "", key_lengths=key_lengths)
+    plan = model.attn_plan(queries, len(q), KEY_STEP, len(k), exact)
+    return attention.attend(q, k, v, plan, *attention.empty_results(plan, *q.shape, q.dtype))

@@ -1,0 +1,32 @@
+"""The server's own options (ServeConfig); the engine's are its Config."""
+from dataclasses import dataclass, field, fields
+
+from prefixcache.config import Config
+from prefixcache.slo import Objectives, positive_ms
+
+
+@dataclass
+class ServeConfig:
+    """The server's own options; the engine's are its Config."""
+
+    engine: Config = field(default_factory=Config)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: str | None = None  # JSON key file; None: one local tenant, no auth
+    auth_oidc: str | None = None  # OIDC config file: tenants and labels from identity tokens (server/oidc.py)
+    shared_prefixes: str | None = None  # JSON list of system-prompt strings shared by all tenants
+    max_queue: int = 64  # waiting requests beyond the running batch; past it, 429 / 529
+    max_body_bytes: int = 4 << 20  # larger request bodies get 413 before they are read further
+    grace_seconds: float = 30.0  # on SIGTERM: new requests get 503; running ones get this long to finish
+    metrics_port: int | None = None  # a listener for GET /metrics alone, without a key (server/serve.py)
+    slo_ttft_ms: float | None = None  # objectives: /metrics counts the requests that met and missed each
+    slo_tpot_ms: float | None = None
+
+    def objectives(self) -> Objectives:
+        """The server's latency objectives; a ValueError names the one that is not a positive number."""
+        given = {name: positive_ms(str(ms), f"--slo-{name}-ms")
+                 for name, ms in (("ttft", self.slo_ttft_ms), ("tpot", self.slo_tpot_ms)) if ms is not None}
+        return Objectives(**given)
+
+
+SERVE_OPTIONS = tuple(f.name for f in fields(ServeConfig) if f.name != "engine")

@@ -1,0 +1,118 @@
+"""The Server: what every route shares (the engine worker, keys, metrics, limits) and the admission of a request.
+
+Routes reach it through `current(request)`, typed; a Generation gets from it only what it uses.
+"""
+import json
+import os
+from typing import Callable
+
+from fastapi import Request
+
+from prefixcache.cache.policy import Breakpoint
+from prefixcache.engine.engine import Engine
+from prefixcache.engine.sequence import SamplingParams
+from prefixcache.prompt import encode_system
+from prefixcache.server.auth import Keys, authenticate
+from prefixcache.server.config import ServeConfig
+from prefixcache.server.errors import ApiError
+from prefixcache.server.generation import Generation
+from prefixcache.server.limits import RateLimits
+from prefixcache.server.metrics import Metrics
+from prefixcache.server.oidc import OidcVerifier
+from prefixcache.server.principal import Principal
+from prefixcache.server.worker import EngineWorker
+
+MODEL_ALIAS = "default"
+
+
+def load_engine(cfg: ServeConfig) -> Engine:
+    config = cfg.engine
+    if cfg.shared_prefixes:
+        # the prefixes are token ids, so the tokenizer is needed before the engine exists
+        from transformers import AutoTokenizer
+
+        from prefixcache.config import default_model_path
+        from prefixcache.models.loader import converted_folder
+        with open(cfg.shared_prefixes) as f:
+            texts = json.load(f)
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise ValueError(f"{cfg.shared_prefixes}: expected a JSON list of system-prompt strings")
+        path = config.model or default_model_path()
+        folder = path if os.path.isdir(path) else converted_folder(path)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        config.shared_prefixes = [encode_system(tokenizer, t) for t in texts]
+    return Engine(config)
+
+
+class Server:
+    def __init__(self, cfg: ServeConfig, worker: EngineWorker, oidc: OidcVerifier | None = None):
+        self.cfg = cfg
+        self.worker = worker  # attached to the event loop when the app starts
+        self.engine = engine = worker.engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.keys = Keys(cfg.api_keys) if cfg.api_keys else None
+        self.oidc = oidc
+        self.metrics = Metrics(engine.model_name, engine.max_model_len, {
+            "block_size": str(engine.config.block_size), "cache_dtype": str(engine.pool.k.dtype).removeprefix("torch."),
+            "enable_prefix_caching": str(engine.config.enable_prefix_cache),
+            "num_gpu_blocks": str(engine.pool.usable_blocks)}, cfg.objectives())
+        self.limits = RateLimits()
+        self.draining = False  # after SIGTERM: running requests finish, new ones get 503 (server/serve.py)
+
+    def reload_keys(self) -> None:
+        """SIGHUP: read the keys file again, with the tenants' cache shares."""
+        self.keys.reload()
+        self.apply_shares()
+
+    def apply_shares(self) -> None:
+        if self.keys:
+            shares = self.keys.shares()
+            self.worker.inbox.put(lambda: self.engine.cache.set_shares(shares))
+
+    def auth(self, request: Request) -> Principal:
+        return authenticate(self.keys, request.headers, self.oidc)
+
+    def admin(self, request: Request) -> bool:
+        """Whether the caller holds an admin key (always so without keys); a missing or unknown key is no error."""
+        try:
+            return self.auth(request).admin
+        except ApiError:
+            return False
+
+    def check_model(self, model: str) -> None:
+        if model not in (self.model_name, MODEL_ALIAS):
+            raise ApiError(404, f"model {model!r} not found; this server serves {self.model_name!r} "
+                                f"(alias {MODEL_ALIAS!r})", param="model", code="model_not_found")
+
+    async def generate(self, request: Request, api: str, principal: Principal, prompt: list[int],
+                       params: SamplingParams, salt: str = "", breakpoints: list[Breakpoint] = (),
+                       where: Callable[[int], str] | None = None) -> Generation:
+        """Submit a validated request and wait for its first token. `where` maps a token position back to the
+        request (message and character offset), to explain where a cache match stopped."""
+        if self.draining:
+            raise ApiError(503, "server is shutting down; retry on another replica", retry_after=1)
+        if len(prompt) >= self.engine.max_model_len:
+            raise ApiError(400, f"prompt has {len(prompt)} tokens; the context window is {self.engine.max_model_len}",
+                           param="messages", code="context_length_exceeded")
+        if self.worker.in_flight >= self.cfg.engine.max_num_seqs + self.cfg.max_queue:
+            raise ApiError(529 if api == "anthropic" else 429, "server is over capacity; retry later", retry_after=1)
+        if wait := self.limits.admit(principal.tenant, principal.rpm, principal.tpm, len(prompt)):
+            raise ApiError(429, f"rate limit of tenant {principal.tenant!r} reached; retry in {wait} s",
+                           code="rate_limit_exceeded", retry_after=wait)
+        scope = principal.scope(salt)
+        gen = Generation(self.worker, self.metrics, self.worker.submit(prompt, params, scope, list(breakpoints)),
+                         api, principal.tenant, params, where, self.cfg.engine.log_cross_scope_misses)
+        await gen.start(request)
+        return gen
+
+
+def current(request: Request) -> Server:
+    """The app's Server (create_app puts it there)."""
+    return request.app.state.server
+
+
+def principal(request: Request) -> Principal:
+    """FastAPI dependency: the caller, from its API key or identity token (resolved before the body is validated,
+    so a bad credential is a 401 whatever the body)."""
+    return current(request).auth(request)
