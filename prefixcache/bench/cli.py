@@ -139,7 +139,8 @@ def _main(args, name: str, folder: str, size: Size, workloads: list, bench) -> N
             f"{args.users} concurrent users (closed loop)")
     setup = (f"CPU: {cpu_info()}. Load: {load}, seed {args.seed}, temperature 0. "
              "Servers started here: SmolLM2-135M-Instruct, "
-             f"--min-cache-tokens {args.min_cache_tokens}, --kv-cache-bytes {args.kv_cache_bytes}. {prices_note(prices)}")
+             f"--min-cache-tokens {args.min_cache_tokens}, --kv-cache-bytes {args.kv_cache_bytes}. "
+             f"{prices_note(prices)}")
     config = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "size": asdict(size),
               "prices": asdict(prices), "cpu_count": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.action == "goodput":
@@ -162,7 +163,8 @@ def _main(args, name: str, folder: str, size: Size, workloads: list, bench) -> N
                           "above 1 means the cache helps; for throughput, below 1 means it does).\n"]
     for workload in workloads:
         if args.url:
-            runs[workload.name] = {"target": measure(workload, Target("target", args.url.rstrip("/")), bench, "target")[0]}
+            runs[workload.name] = {"target": measure(workload, Target("target", args.url.rstrip("/")), bench,
+                                                     "target")[0]}
             ratio = None
         else:
             runs[workload.name] = on_off(workload, bench)
@@ -200,7 +202,8 @@ def run_sweeps(args, size: Size, bench, folder: str, sections: list[str]) -> dic
                     "HTTP, scheduling and a 64-token prefill but no attention over a prefix. "
                     + (f"The x marks the engine benchmark's runner-only floor on 4096 cached tokens "
                        f"({out['engine_floor_s']:.3f} s). " if out["engine_floor_s"] else "")
-                    + "\n\n| prompt tokens | cached on hit | miss TTFT (s) | hit TTFT (s) | miss / hit |\n|---|---|---|---|---|\n"
+                    + "\n\n| prompt tokens | cached on hit | miss TTFT (s) | hit TTFT (s) | miss / hit |\n"
+                      "|---|---|---|---|---|\n"
                     + "\n".join(rows) + "\n\n![prefix length](prefix_length.png)\n")
     out["arrival_rate"] = sweeps.arrival_rate(rates, rate_size, args.seed + 100, bench)
     plots.arrival_rate(out["arrival_rate"], os.path.join(folder, "arrival_rate.png"))
@@ -208,7 +211,8 @@ def run_sweeps(args, size: Size, bench, folder: str, sections: list[str]) -> dic
             f"{p['ttft_p99_on_s']:.3f} | {p['ttft_p99_off_s']:.3f} |" for p in out["arrival_rate"]]
     sections.append(f"## Hit rate and TTFT vs arrival rate\n\nshared-system-prompt, {rate_size.requests} requests "
                     "per rate, Poisson arrivals, the cache emptied before each run.\n\n| rate (req/s) | hit rate | "
-                    "TTFT p50 on (s) | TTFT p50 off (s) | TTFT p99 on (s) | TTFT p99 off (s) |\n|---|---|---|---|---|---|\n"
+                    "TTFT p50 on (s) | TTFT p50 off (s) | TTFT p99 on (s) | TTFT p99 off (s) |\n"
+                    "|---|---|---|---|---|---|\n"
                     + "\n".join(rows) + "\n\n![arrival rate](arrival_rate.png)\n")
     out["memory_budget"] = sweeps.memory_budget(fractions, mem_size, args.seed, bench)
     plots.memory_budget(out["memory_budget"], os.path.join(folder, "memory_budget.png"))
@@ -216,7 +220,8 @@ def run_sweeps(args, size: Size, bench, folder: str, sections: list[str]) -> dic
             f"{p['ttft_p50_s'] or 0:.3f} | {p['evictions'] or 0:.0f} | {p['errors']} |" for p in out["memory_budget"]]
     sections.append(f"## Hit rate vs cache memory budget\n\nmulti-tenant workload, {mem_size.tenants} tenants, "
                     f"{mem_size.requests} requests, 2 users; the budget is a fraction of its working set: every "
-                    "tenant's prefix once plus the question and reply of each user.\n\n| budget (MB) | fraction of working set | hit rate | TTFT p50 (s) | evictions | errors |\n"
+                    "tenant's prefix once plus the question and reply of each user.\n\n"
+                    "| budget (MB) | fraction of working set | hit rate | TTFT p50 (s) | evictions | errors |\n"
                     "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n![memory](memory_budget.png)\n")
     return out
 

@@ -8,7 +8,8 @@ Side by side in one run, on the multi-tenant workload (each tenant its own long 
 - the same 3 behind vllm-router (an existing gateway, PyPI), cache-aware by a radix tree of the text it routed.
 The first three keep Redis for KV events only, so their hit rates show the routing alone. Replicas' caches are
 emptied (L1, L2 and L3) before each run. Prefill tokens computed (prompt minus cached tokens, summed) do not
-depend on the machine. Writes bench/results/cluster.{json,md}. Run: `make bench` or `python -m prefixcache.bench.cluster`.
+depend on the machine. Writes bench/results/cluster.{json,md}. Run: `make bench` or
+`python -m prefixcache.bench.cluster`.
 """
 import argparse
 import asyncio

@@ -66,7 +66,8 @@ def create_app(folder: str) -> FastAPI:
             async with lock:
                 queue: asyncio.Queue = asyncio.Queue()
                 kw = dict(input_ids=torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                          pad_token_id=tokenizer.eos_token_id, streamer=QueueStreamer(asyncio.get_running_loop(), queue))
+                          pad_token_id=tokenizer.eos_token_id,
+                          streamer=QueueStreamer(asyncio.get_running_loop(), queue))
                 threading.Thread(target=model.generate, kwargs=kw, daemon=True).start()
                 n = 0
                 while (token := await queue.get()) is not None:

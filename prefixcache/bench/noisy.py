@@ -5,7 +5,7 @@ The server and the flood each run in a process of their own, as in use (in one p
 threads would slow the server's through the GIL), and quiet and flooded phases alternate, so that the machine's
 drift hits both alike. Each flooded phase starts once the flood has evicted `turnover` blocks. Writes
 bench/results/noisy.{json,md}. Run: `python -m prefixcache.bench.noisy` (the default model; about 5 minutes).
-The short and long forms of tests/test_noisy_neighbour.py run it on a tiny model.
+The short and long forms of tests/server/test_noisy_neighbour.py run it on a tiny model.
 """
 import argparse
 import json

@@ -262,7 +262,7 @@ def _replay(geometry: dict, budget: int, requests: list[Request], policy: str, t
             u = len(r.prompt) - c
             reads = sum(n // g["block_size"] * costs[f"{t}_block_s"] for t, n in loaded.items())
             ttfts.append(a * u + b * (u * u + 2 * u * c) + reads)
-    evicted = sum(blocks.evictions.values())
+    evicted = sum(blocks.stats()["evictions"].values())
     ttfts = ttfts if costs else []
     return Point(budget, pool.usable_blocks, cached / prompt if prompt else 0.0, prompt, cached, cached, evicted,
                  refused, dict(tier_tokens), None, statistics.fmean(ttfts) if ttfts else None,

@@ -17,8 +17,10 @@ def on_off(runs: dict[str, dict[str, dict]], path: str) -> str:
     names = list(runs)
     fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(names) + 2), 3.8))
     width = 0.2
-    for j, (col, key, color) in enumerate((("cache on", "ttft_p50_s", "tab:green"), ("cache on", "ttft_p99_s", "#9fd89f"),
-                                            ("cache off", "ttft_p50_s", "tab:red"), ("cache off", "ttft_p99_s", "#f2a3a3"))):
+    for j, (col, key, color) in enumerate((("cache on", "ttft_p50_s", "tab:green"),
+                                            ("cache on", "ttft_p99_s", "#9fd89f"),
+                                            ("cache off", "ttft_p50_s", "tab:red"),
+                                            ("cache off", "ttft_p99_s", "#f2a3a3"))):
         xs = [i + (j - 1.5) * width for i in range(len(names))]
         ax.bar(xs, [runs[n][col][key] or 0 for n in names], width, color=color,
                label=f"{col}, {key.split('_')[1]}")

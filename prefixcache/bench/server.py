@@ -180,7 +180,8 @@ def scrape(text: str) -> dict | None:
     for fam in text_string_to_metric_families(text):
         key = names.get(fam.name)
         if key:
-            s[key] = (s[key] or 0.0) + sum(sample.value for sample in fam.samples if not sample.name.endswith("_created"))
+            s[key] = (s[key] or 0.0) + sum(sample.value for sample in fam.samples
+                                           if not sample.name.endswith("_created"))
     return s if any(v is not None for v in s.values()) else None
 
 

@@ -94,7 +94,8 @@ def main() -> None:
         "l3_bytes_per_token": written["L3_bytes_written"] / (written["L3_writes"] * a.engine.config.block_size),
         "kv_bytes_per_token": a.engine.pool.block_bytes / a.engine.config.block_size,
         "l3_read_s_per_block": counts["L3_read_seconds"] / blocks, "l3_mb_per_s":
-            counts["L3_bytes_read"] / counts["L3_read_seconds"] / 1e6, "redis_ping_ms_p50": 1e3 * statistics.median(pings),
+            counts["L3_bytes_read"] / counts["L3_read_seconds"] / 1e6,
+        "redis_ping_ms_p50": 1e3 * statistics.median(pings),
         "l3_record_bytes": record, "l3_memory_per_block": memory, **l2,
     }
     cpu = cpu_info()

@@ -144,7 +144,8 @@ def volatile_prefix(seed: int, size: Size) -> Workload:
     stable = system_prompt(rng, size.prefix_tokens)
     sessions = []
     for i in range(size.requests):
-        stamp = f"Request id: {rng.getrandbits(64):016x}. Current time: 2026-03-{1 + i % 28:02d}T{i % 24:02d}:{i % 60:02d}:07Z."
+        stamp = (f"Request id: {rng.getrandbits(64):016x}. "
+                 f"Current time: 2026-03-{1 + i % 28:02d}T{i % 24:02d}:{i % 60:02d}:07Z.")
         system = {"role": "system", "content": f"{stamp}\n{stable}"}
         sessions.append(Session([Turn([system, question(rng, size.question_tokens)], size.max_tokens)]))
     return Workload("volatile-prefix", sessions, "anti-pattern: a request id and timestamp at the top of an otherwise "

@@ -223,14 +223,9 @@ class BlockManager:
             "blocks_cached": cache.num_blocks, "blocks_cached_evictable": cache.evictable_blocks(),
             "bytes_cached": cache.num_blocks * pool.block_bytes, "bytes_used": used * pool.block_bytes,
             "occupancy_perc": 100.0 * used / pool.usable_blocks, "scopes_cached": cache.num_scopes,
-            **self.hits.stats(), "evictions": self.evictions,
+            **self.hits.stats(), "evictions": dict(cache.evictions),
             "tiers": self.tiering.stats() if self.tiering else None,
         }
-
-    @property
-    def evictions(self) -> dict[str, int]:
-        """Blocks evicted from L1, by reason."""
-        return dict(self.cache.evictions)
 
     def tiers_health(self) -> dict:
         return self.tiering.health() if self.tiering else {}

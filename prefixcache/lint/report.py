@@ -34,7 +34,8 @@ class Report:
 
     def to_text(self) -> str:
         lines = [str(f) for f in self.findings]
-        lines += [f"{p['file']}:{p['line']}: template fingerprint {p['fingerprint']} ({p['static_tokens']} static tokens)"
+        lines += [f"{p['file']}:{p['line']}: template fingerprint {p['fingerprint']} "
+                  f"({p['static_tokens']} static tokens)"
                   for p in self.fingerprints]
         for g in self.groups:
             lines.append(f"template {g['key']} ({g['requests']} requests, first at {g['first']}, "

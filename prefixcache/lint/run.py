@@ -70,7 +70,8 @@ class DiffResult:
             lines.append(f"{name}: first diverging token {d.token_index} ({tok}) at {where}")
             lines.append(f"   {context(r.text, d.char)}")
         code, detail = classify(a, b, d)
-        lines.append(f"likely cause: {code} {RULES[code].title} {detail!r}" if code in RULES else f"likely cause: {code}")
+        lines.append(f"likely cause: {code} {RULES[code].title} {detail!r}" if code in RULES
+                     else f"likely cause: {code}")
         return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""What the startup probe checks of our kernels beyond the row counts (models/exactness.py, mode "kernel"): paged
+"""What the startup probe (models/probe.py) checks of our kernels beyond the row counts (mode "kernel"): paged
 attention rows equal whatever their batch, items and block placement, and every op agrees with float64."""
 import torch
 import torch.nn.functional as F

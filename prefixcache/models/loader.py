@@ -12,7 +12,8 @@ GGUF_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -200,7 +201,8 @@ def _config(hf: dict, tensor_names) -> ModelConfig:
         rms_norm_eps=float(hf["rms_norm_eps"]),
         # full attention only: a sliding-window model is exact up to its window
         max_position=min(hf["max_position_embeddings"],
-                         hf.get("use_sliding_window", True) and hf.get("sliding_window") or hf["max_position_embeddings"]),
+                         hf.get("use_sliding_window", True) and hf.get("sliding_window")
+                         or hf["max_position_embeddings"]),
         tie_embeddings="lm_head.weight" not in tensor_names,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensor_names,
         eos_token_ids=_ids(hf.get("eos_token_id")),

@@ -12,7 +12,7 @@ class Principal:
     admin: bool = False
     rpm: float | None = None  # requests per minute; None: no limit
     tpm: float | None = None  # prompt tokens per minute; None: no limit
-    cache_share: float | None = None  # the tenant's guaranteed fraction of the KV cache; None: an equal part of the rest
+    cache_share: float | None = None  # tenant's guaranteed fraction of the KV cache; None: an equal part of the rest
 
     def scope(self, salt: str = "") -> CacheScope:
         """The cache scope of this caller's requests: its tenant and labels, narrowed by the client's salt."""

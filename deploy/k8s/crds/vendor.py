@@ -1,4 +1,4 @@
-"""Vendor the CRDs that deploy/k8s/inference-gateway/ is validated against (tests/test_deploy_gateway.py), from
+"""Vendor the CRDs that deploy/k8s/inference-gateway/ is validated against (tests/deploy/test_deploy_gateway.py), from
 their releases: each CRD's storage version only, without descriptions (every validation stays: types, enums,
 patterns, limits, defaults, CEL rules). A maintainer's tool, run with network access when the pins move:
 

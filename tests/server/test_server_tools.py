@@ -14,7 +14,8 @@ WEATHER = {"type": "object", "additionalProperties": False, "required": ["city",
            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}}}
 TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
         "properties": {"zone": {"enum": ["UTC", "CET"]}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
@@ -31,7 +32,8 @@ def client(srv):
 
 
 def chat(client, **kw):
-    return client.chat.completions.create(model="default", max_tokens=64, temperature=0, messages=ASK, tools=TOOLS, **kw)
+    return client.chat.completions.create(model="default", max_tokens=64, temperature=0,
+                                          messages=ASK, tools=TOOLS, **kw)
 
 
 def valid(name: str, arguments: str) -> dict:

@@ -49,7 +49,7 @@ def test_the_table_is_the_request_models():
         assert {r.field for r in rows if r.status in (SUPPORTED, IGNORED)} == names
         assert {r.field for r in rows if r.status == REFUSED}.isdisjoint(names)
         assert {r.field for r in rows if r.status == IGNORED} == set(INFORMATIONAL[api])
-    assert markdown() in Path(__file__).parent.parent.joinpath("README.md").read_text()
+    assert markdown() in Path(__file__).parents[2].joinpath("README.md").read_text()
 
 
 @pytest.mark.parametrize("row", [r for r in TABLE if r.status == REFUSED], ids=lambda r: f"{r.api}.{r.field}")
@@ -82,7 +82,8 @@ def test_validation_like_the_reference_apis(srv):
     failed = {**MESSAGES, "messages": [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "boom", "is_error": True}]}]}
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "boom",
+                                      "is_error": True}]}]}
     assert message(post(srv, "anthropic", failed), "anthropic").startswith("messages.2.content.0.is_error")
     failed["messages"][2]["content"][0]["is_error"] = False
     assert post(srv, "anthropic", failed).status_code == 200

@@ -17,7 +17,7 @@ from prefixcache.cache.zmq_events import EventsConfig
 from prefixcache.cli import build_parser
 from prefixcache.config import Config
 
-K8S = os.path.join(os.path.dirname(__file__), "..", "deploy", "k8s")
+K8S = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "k8s")
 GATEWAY = sorted(glob.glob(os.path.join(K8S, "inference-gateway", "*.yaml")))
 CEL = celpy.Environment()
 

@@ -53,7 +53,8 @@ def test_a_replica_serves_another_replicas_prefix_from_redis_and_says_so(tiny_mo
     assert m[("prefixcache:kv_tier_lookups_total", (("result", "hit"), ("tier", "L3")))] == cached // 16
     assert m[("prefixcache:kv_tier_bytes_total", (("direction", "read"), ("tier", "L3")))] > 0
     # vLLM's external prefix cache series count the same lookups, in tokens
-    assert m[("vllm:external_prefix_cache_hits_total", ())] == cached <= m[("vllm:external_prefix_cache_queries_total", ())]
+    assert m[("vllm:external_prefix_cache_hits_total", ())] == cached <= \
+        m[("vllm:external_prefix_cache_queries_total", ())]
     # another tenant's same request loads nothing: its keys are other keys
     other = chat(two.url, "sk-b", "warm").parse()
     assert other.usage.prompt_tokens_details.cached_tokens == 0

@@ -51,7 +51,8 @@ def test_completion_echo_reports_the_prompts_logprobs_recomputed_from_the_cache(
     assert len(lp.tokens) == len(PROMPT) + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert (lp.tokens[len(PROMPT):], lp.token_logprobs[len(PROMPT):]) == (gen.tokens, gen.token_logprobs)
     assert lp.text_offset == [0, *accumulate(len(t) for t in lp.tokens[:-1])]
-    assert all(top[t] == x and len(top) <= 3 for t, x, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    assert all(top[t] == x and len(top) <= 3
+               for t, x, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
 
     chunks = list(tiny_client.completions.create(**kw, echo=True, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == echo.choices[0].text
@@ -85,7 +86,8 @@ def test_streamed_chat_samples_carry_their_index(tiny_client, tiny_srv):
         [choice] = c.choices
         texts[choice.index] += choice.delta.content or ""
     assert texts == [c.message.content for c in whole.choices]
-    assert chunks[-1].usage.prompt_tokens == prompt and chunks[-1].usage.prompt_tokens_details.cached_tokens == prompt - 1
+    assert chunks[-1].usage.prompt_tokens == prompt and \
+        chunks[-1].usage.prompt_tokens_details.cached_tokens == prompt - 1
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 

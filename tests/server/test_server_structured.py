@@ -34,7 +34,8 @@ def test_json_schema_output_validates(client, seed):
 def test_json_object_choice_and_regex(client):
     assert isinstance(json.loads(ask(client, 0, response_format={"type": "json_object"})), dict)
     assert ask(client, 1, extra_body={"guided_choice": ["yes", "no", "maybe later"]}) in ("yes", "no", "maybe later")
-    assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", ask(client, 2, extra_body={"guided_regex": r"[A-Z][a-z]{2,8} [0-9]{2}"}))
+    assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}",
+                        ask(client, 2, extra_body={"guided_regex": r"[A-Z][a-z]{2,8} [0-9]{2}"}))
 
 
 def test_bad_guides_are_400s(client):

@@ -19,10 +19,10 @@ from prefixcache.cache.credentials import REDIS_PASSWORD_ENV, TIER_SECRET_ENV
 from prefixcache.cli import build_parser
 from prefixcache.server.config import ServeConfig
 
-DEPLOY = os.path.join(os.path.dirname(__file__), "..", "deploy")
+DEPLOY = os.path.join(os.path.dirname(__file__), "..", "..", "deploy")
 COMPOSE = os.path.join(DEPLOY, "docker-compose.yml")
 K8S = sorted(glob.glob(os.path.join(DEPLOY, "k8s", "*.yaml")))
-PACKAGE = os.path.join(os.path.dirname(__file__), "..", "prefixcache")
+PACKAGE = os.path.join(os.path.dirname(__file__), "..", "..", "prefixcache")
 
 
 def documents(path: str) -> list[dict]:

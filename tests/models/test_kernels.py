@@ -81,7 +81,8 @@ def test_the_linear_op_refuses_what_it_cannot_compute():
 
 def test_rms_norm_and_swiglu_match_float64_and_every_row_count():
     g = torch.Generator().manual_seed(1)
-    x, w, gu = torch.randn(33, 576, generator=g), torch.randn(576, generator=g), 4 * torch.randn(33, 2 * 1536, generator=g)
+    x, w, gu = (torch.randn(33, 576, generator=g), torch.randn(576, generator=g),
+                4 * torch.randn(33, 2 * 1536, generator=g))
     x64 = x.double()
     norm64 = w.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
     gate, up = gu.double().chunk(2, dim=-1)

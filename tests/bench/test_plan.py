@@ -32,7 +32,8 @@ def test_more_memory_holds_more_of_each_tenants_prefix(tmp_path, tiny_model):
     rows = [chat(t, SYSTEM[t], f"question {i}?") for i in range(3) for t in "ab"]
     points = plan.plan(plan.load(log(tmp_path, rows)), [40 * BLOCK_BYTES, 400 * BLOCK_BYTES], model=tiny_model)
     small, large = points
-    assert small.prompt_tokens == large.prompt_tokens > 0 and (small.blocks, large.blocks) == (39, 399)  # block 0: zeros
+    # block 0: zeros
+    assert small.prompt_tokens == large.prompt_tokens > 0 and (small.blocks, large.blocks) == (39, 399)
     assert large.hit_rate > small.hit_rate and small.evicted_blocks > large.evicted_blocks == 0
     # with room for both: each tenant's later requests hit its whole system prompt, never the other's
     prompt = large.prompt_tokens / 6

@@ -11,7 +11,7 @@ from prefixcache.lint.render import load_tokenizer
 from prefixcache.lint.rules import RULES, volatile
 from prefixcache.lint.run import lint
 
-CORPUS = Path(__file__).parent / "lint_corpus"
+CORPUS = Path(__file__).parent.parent / "lint_corpus"
 EXPECTED = json.loads((CORPUS / "expected.json").read_text())
 OPTIONS = Options(**EXPECTED["options"])
 

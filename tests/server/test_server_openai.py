@@ -133,15 +133,17 @@ def test_salt_and_prompt_cache_key_narrow_the_scope(srv):
     _, salted_again = chat(srv, system, extra_body={"cache_salt": "s1"})
     _, keyed = chat(srv, system, extra_body={"cache_salt": "s1", "prompt_cache_key": "k",
                                              "prompt_cache_retention": "24h", "user": "u1"})
-    assert int(plain["cached"]) > 0 and salted["cached"] == "0" and int(salted_again["cached"]) > 0 and keyed["cached"] == "0"
+    assert int(plain["cached"]) > 0 and salted["cached"] == "0" and int(salted_again["cached"]) > 0 and \
+        keyed["cached"] == "0"
 
 
 def test_shared_prefix_hits_across_tenants_on_exactly_that_prefix(srv):
     shared_len = len(encode_system(srv.server.tokenizer, SHARED_SYSTEM))
     chat(srv, SHARED_SYSTEM, "Where is my invoice? " * 20, key="sk-acme")
     _, h = chat(srv, SHARED_SYSTEM, "How do I reset my password? " * 20, key="sk-globex")
+    # the shared system prompt ends; the template's end-of-message tokens follow
     assert h == {"cached": str(shared_len), "prompt": h["prompt"], "scope": "shared", "tiers": f"L1:{shared_len}",
-                 "miss": "diverged", "at": "template"}  # the shared system prompt ends; the template's end-of-message tokens follow
+                 "miss": "diverged", "at": "template"}
     _, h = chat(srv, SHARED_SYSTEM, "How do I reset my password? " * 20, key="sk-globex")
     assert int(h["cached"]) > shared_len and h["scope"] == "shared"  # the rest is globex's own
 
@@ -199,7 +201,8 @@ def test_metrics_move(srv):
     config = [labels for name, labels in after if name == "vllm:cache_config_info"]
     assert after[("vllm:cache_config_info", (("block_size", "16"), ("cache_dtype", "float32"),
                                              ("enable_prefix_caching", "True"),
-                                             ("num_gpu_blocks", str(srv.server.engine.pool.usable_blocks))))] == 1, config
+                                             ("num_gpu_blocks",
+                                              str(srv.server.engine.pool.usable_blocks))))] == 1, config
 
 
 def test_models_and_health(srv):

@@ -40,7 +40,8 @@ def test_64_concurrent_clients_get_the_outputs_of_a_sequential_run(tiny_model, f
     rng = random.Random(0)
     common = [rng.randrange(1000, 40000) for _ in range(64)]  # some shared prefixes, so hits happen under load
     prompts = [(common[:rng.randrange(65)] if rng.random() < 0.5 else [])
-               + [rng.randrange(1000, 40000) for _ in range(rng.randrange(5, 150))] for _ in range(CLIENTS * PER_CLIENT)]
+               + [rng.randrange(1000, 40000) for _ in range(rng.randrange(5, 150))]
+               for _ in range(CLIENTS * PER_CLIENT)]
 
     latencies, rss = [], []
 

@@ -1,4 +1,5 @@
-"""The prefix cache against a reference model, driven through the real BlockManager by random requests, releases and evictions."""
+"""The prefix cache against a reference model, driven through the real BlockManager by random requests, releases
+and evictions."""
 from collections import Counter
 
 import torch

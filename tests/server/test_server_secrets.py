@@ -25,7 +25,8 @@ def test_keys_and_prompts_never_reach_the_logs(tmp_path_factory, caplog):
     with caplog.at_level(logging.DEBUG):
         for key in ("sk-acme", "sk-not-a-key"):
             httpx.post(f"{srv.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                       json={"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": SECRET_PROMPT}]})
+                       json={"model": "default", "max_tokens": 2,
+                             "messages": [{"role": "user", "content": SECRET_PROMPT}]})
         httpx.get(f"{srv.url}/metrics", headers={"x-api-key": "sk-globex"})
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert '"status": 200' in text and '"status": 401' in text and '"status": 403' in text  # the lines exist
@@ -84,7 +85,8 @@ def test_the_metrics_port_serves_metrics_alone_without_a_key(tiny_model, tmp_pat
         assert httpx.get(f"{url}/metrics").status_code == 401
         assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sk"}).status_code == 403
         for r in (httpx.get(f"http://127.0.0.1:{metrics_port}/v1/models", headers={"Authorization": "Bearer sk"}),
-                  httpx.post(f"http://127.0.0.1:{metrics_port}/v1/completions", json={"model": "default", "prompt": "a"},
+                  httpx.post(f"http://127.0.0.1:{metrics_port}/v1/completions",
+                             json={"model": "default", "prompt": "a"},
                              headers={"Authorization": "Bearer sk"}),
                   httpx.get(f"http://127.0.0.1:{metrics_port}/health")):
             assert r.status_code == 404 and r.json()["error"]["message"] == "the metrics port serves GET /metrics only"

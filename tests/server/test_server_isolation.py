@@ -4,7 +4,8 @@ Tenant a sends the same requests to two identical servers; on one of them tenant
 prompt a will send. In the loaded setup the servers also draft speculatively, spill to a disk tier, and b has
 first filled the whole KV pool, so a's drafts and blocks need room that b's entries hold. Everything a can observe
 must be byte-identical on both (apart from ids, timestamps and timing): status, every header (x-prefix-cache
-included), bodies and usage, every stream event, the cache purge answer, /metrics and /health. The primed server logs cross-scope misses for its operator, which must stay in its log.
+included), bodies and usage, every stream event, the cache purge answer, /metrics and /health.
+The primed server logs cross-scope misses for its operator, which must stay in its log.
 /health tells tenants and probes only its status word; its details need an admin key.
 """
 import json
