@@ -73,5 +73,4 @@ class Cache(Protocol):
     enabled: bool  # False for NullCache: nothing is matched or kept
     num_pinned: int  # blocks that eviction may never take
     evictions: Counter[str]  # entries removed, by reason ("capacity", "ttl", "purge", "clear")
-    clock: Callable[[], float]  # the time TTLs are counted in (the planner sets its log's)
     listeners: list[Listener]  # told of every full block that enters or leaves

@@ -1,5 +1,4 @@
 """NullCache: the prefix cache when caching is off. Nothing matches, nothing is kept, no listener is ever told."""
-import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 
@@ -12,7 +11,6 @@ class NullCache:
     evictions: Counter[str] = Counter()
 
     def __init__(self):
-        self.clock: Callable[[], float] = time.monotonic
         self.listeners: list[Listener] = []
 
     def match(self, tokens: list[int], keys: list[bytes], scopes: list[bytes], partial_scopes: tuple[bytes, ...],
