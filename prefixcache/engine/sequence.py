@@ -226,20 +226,19 @@ class Sequence:
         return len(self.tokens) - self.num_computed
 
     def output(self) -> RequestOutput:
-        seq = self
-        end, c = seq.finish_time, seq.cache
+        """What the caller sees of this sequence, now."""
+        end, c, first = self.finish_time, self.cache, self.first_token_time
         return RequestOutput(
-            request_id=seq.id, prompt_token_ids=seq.tokens[:seq.num_prompt], token_ids=seq.output_ids, text=seq.text,
-            finish_reason=seq.finish_reason, cached_tokens=c.num_cached or 0, cache_write_tokens=dict(c.write),
-            scope_kind=c.scope_kind, miss_cause=c.miss_cause,
-            ttft=seq.first_token_time - seq.arrival if seq.first_token_time else None,
-            latency=end - seq.arrival if end else None, index=seq.index, cumulative_logprob=seq.cumulative_logprob,
-            logprobs=seq.logprobs and list(seq.logprobs),
-            prompt_logprobs=seq.prompt_logprobs and list(seq.prompt_logprobs),
-            accepted_draft_tokens=seq.accepted_draft_tokens, cached_by_tier=c.by_tier(),
-            error=seq.fault.message if seq.fault else None,
+            request_id=self.id, prompt_token_ids=self.tokens[:self.num_prompt], token_ids=self.output_ids,
+            text=self.text, finish_reason=self.finish_reason, cached_tokens=c.num_cached or 0,
+            cache_write_tokens=dict(c.write), scope_kind=c.scope_kind, miss_cause=c.miss_cause,
+            ttft=first - self.arrival if first else None, latency=end - self.arrival if end else None,
+            index=self.index, cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs and list(self.logprobs),
+            prompt_logprobs=self.prompt_logprobs and list(self.prompt_logprobs),
+            accepted_draft_tokens=self.accepted_draft_tokens, cached_by_tier=c.by_tier(),
+            error=self.fault.message if self.fault else None,
         )
-
 
 def request_samples(prompt: list[int], params: SamplingParams, scope: CacheScope, breakpoints: list[Breakpoint],
                     priority: int, detok: Callable[[], Detokenizer], grammar: Future | None,
