@@ -31,6 +31,8 @@ class Config:
     # auto runs our kernels where they can run (float32, a block size and head size that are multiples of 16),
     # the others force the torch path
     kernels: str = "auto"  # the kernel build (prefixcache/kernels): auto | avx512 | avx2 | off (the torch path)
+    quantized_reads: bool = True  # on our kernels, calls of few rows (decode) read a GGUF's Q4_1 and Q8_0 weights
+    # as shipped: the same bits as their fp32 values (models/quant.py), in 5 or 8.5 bits a weight instead of 32
     block_size: int = 16  # tokens per KV block
     attn_tile: int = 512  # keys per attention tile; fixed so a token's math never depends on its batch
     kv_cache_bytes: int = 2 << 30  # one budget for live and cached KV

@@ -36,14 +36,15 @@ def _median(f, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def side_ours(exactness: str = "auto", dtype: str = "float32", kernels: str = "auto") -> dict:
+def side_ours(exactness: str = "auto", dtype: str = "float32", kernels: str = "auto",
+              quantized_reads: bool = True) -> dict:
     """Our figures; exactness "off" runs the torch path's probed plan without its padding (row counts as they come,
     every attention size and key length): what invariance costs there, never a mode to serve with."""
     t0 = time.perf_counter()
     from prefixcache import LLM, SamplingParams
 
     cold = LLM(enable_prefix_cache=False, exactness="auto" if exactness == "off" else exactness, dtype=dtype,
-               kernels=kernels)
+               kernels=kernels, quantized_reads=quantized_reads)
     model = cold.engine.runner.model
     if exactness == "off":
         model.exact = _unpadded(model.exact, model.tile)
@@ -100,15 +101,16 @@ def _read_gb_s() -> float:
 
 
 def _step_bytes(llm, b: int, ctx: int) -> int:
-    """What a decode step of b sequences at context ctx must read: every layer's weights, the LM head, and each
-    sequence's keys and values."""
+    """What a decode step of b sequences at context ctx must read: every layer's weights and the LM head, as the
+    step reads them (fp32, or as shipped: models/rowwise.py QUANT_ROWS), and each sequence's keys and values."""
+    from prefixcache.models.rowwise import QUANT_ROWS
+
     model, c = llm.engine.runner.model, llm.engine.runner.model.config
-    itemsize = model.embed.dtype.itemsize
-    weights = sum(op.args[0].shape[0] * op.args[0].shape[1] for i in range(c.num_layers)
-                  for op in model.row_ops(i) if op.name in GEMMS)
-    head = c.vocab_size * c.hidden_size
+    shipped = model.paged and b <= QUANT_ROWS[model.ops.name]
+    weights = sum(w.quant.numel() if shipped and w.quant is not None else w.shape[0] * w.shape[1] * model.embed.itemsize
+                  for w in model.gemm_weights().values())
     kv = b * ctx * c.num_layers * 2 * c.num_kv_heads * c.head_dim * llm.engine.pool.k.dtype.itemsize
-    return (weights + head) * itemsize + kv
+    return weights + kv
 
 
 def _unpadded(plan, tile: int):
@@ -245,9 +247,12 @@ def side_hf() -> dict:
     return r
 
 
-def _run_side(name: str, exactness: str = "auto", dtype: str = "float32", kernels: str = "auto") -> dict:
+def _run_side(name: str, exactness: str = "auto", dtype: str = "float32", kernels: str = "auto",
+              quantized_reads: bool = True) -> dict:
     out = subprocess.run([sys.executable, "-m", "prefixcache.bench.engine", "--side", name, "--exactness", exactness,
-                          "--dtype", dtype, "--kernels", kernels], capture_output=True, text=True, check=True)
+                          "--dtype", dtype, "--kernels", kernels,
+                          "--quantized-reads" if quantized_reads else "--no-quantized-reads"],
+                         capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -257,15 +262,19 @@ def main() -> None:
     ap.add_argument("--exactness", default="auto", help="ours: the exactness mode (Config.exactness), or off")
     ap.add_argument("--dtype", default="float32", help="ours: the weights' dtype (Config.dtype)")
     ap.add_argument("--kernels", default="auto", help="ours: the kernel build (Config.kernels)")
+    ap.add_argument("--quantized-reads", action=argparse.BooleanOptionalAction, default=True,
+                    help="ours: read a GGUF's weights as shipped in decode (Config.quantized_reads)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     if args.side:
-        print(json.dumps(side_ours(args.exactness, args.dtype, args.kernels) if args.side == "ours" else side_hf()))
+        print(json.dumps(side_ours(args.exactness, args.dtype, args.kernels, args.quantized_reads)
+                         if args.side == "ours" else side_hf()))
         return
     from prefixcache.models.cpu import cpu_info
 
     cpu = cpu_info()
-    sides = {"prefixcache": _run_side("ours"), "torch path": _run_side("ours", kernels="off"),
+    sides = {"prefixcache": _run_side("ours"), "fp32 panels only": _run_side("ours", quantized_reads=False),
+             "torch path": _run_side("ours", kernels="off"),
              "padding off": _run_side("ours", "off", kernels="off"), "fixed fallback": _run_side("ours", "fixed")}
     if cpu.has_bf16:
         sides["bf16 weights"] = _run_side("ours", dtype="bfloat16")

@@ -7,10 +7,13 @@ def report(sides: dict[str, dict], hf: dict, cpu: str, decode_ctx: int) -> str:
     ours = sides["prefixcache"]
     lines = ["# Engine benchmark", "", f"SmolLM2-135M-Instruct on {cpu}; prefixcache runs "
              f"{ours['exactness']['kernels'] or 'the torch path'}. Decode steps at context {decode_ctx}, followed by "
-             "their ratio to the byte floor: the bytes a step must read (every layer's weights, the LM head, the "
-             "keys and values it attends to) over the read bandwidth measured in the same process just before "
-             "and after those steps (the higher). Prefill, by its ratio to the GEMM floor: the model's weight GEMMs "
-             "alone, unpadded, in chunks of 512 rows, on that side's own GEMM. Torch path: our kernels off. "
+             "their ratio to the byte floor: the bytes a step must read (every layer's weights and the LM head, "
+             "as that side reads them, and the keys and values it attends to) over the read bandwidth measured in "
+             "the same process just before and after those steps (the higher). Prefill, by its ratio to the GEMM "
+             "floor: the model's weight GEMMs alone, unpadded, in chunks of 512 rows, on that side's own GEMM. "
+             "prefixcache reads the GGUF's Q4_1/Q8_0 blocks as shipped in calls of few rows (the fp32 weights' "
+             "bits: models/quant.py); fp32 panels only: the same kernels reading fp32 weights alone. "
+             "Torch path: our kernels off. "
              "Padding off: the torch path's probed plan without its padding (not exact; what exactness costs "
              "there; on our kernels nothing is padded). Fixed fallback: the torch path's guaranteed plan, forced.",
              "",

@@ -62,7 +62,7 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        weights = load(config.model or default_model_path(), getattr(torch, config.dtype))
+        weights = load(config.model or default_model_path(), getattr(torch, config.dtype), config.quantized_reads)
         self.tokenizer = weights.tokenizer
         self.model_config = weights.config
         self.model_name = weights.name

@@ -42,8 +42,9 @@ class RowOp:
 
     @property
     def shape(self) -> str:
-        tensors = [a for a in self.args if hasattr(a, "shape")]
-        return " ".join("x".join(map(str, t.shape)) for t in tensors) or str(self.width)
+        tensors = [a for a in self.args if hasattr(a, "shape")]  # a weight read as shipped names its kind
+        return " ".join("x".join(map(str, t.shape)) + (f" {t.kind}" if getattr(t, "kind", "") else "")
+                        for t in tensors) or str(self.width)
 
 
 @dataclass

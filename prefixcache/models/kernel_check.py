@@ -1,11 +1,12 @@
 """What the startup probe (models/probe.py) checks of our kernels beyond the row counts (mode "kernel"): paged
-attention rows equal whatever their batch, items and block placement, and every op agrees with float64."""
+attention rows equal whatever their batch, items and block placement, and every op agrees with float64; and, at
+every start, that each weight read as shipped (models/quant.py) gives the bits of its fp32 values."""
 import torch
 import torch.nn.functional as F
 
 from prefixcache.models import paged
 from prefixcache.models.attention import Queries
-from prefixcache.models.rowwise import TorchOps
+from prefixcache.models.rowwise import Packed, TorchOps
 
 BLOCK = 16  # the probe pool's block size
 
@@ -13,6 +14,19 @@ BLOCK = 16  # the probe pool's block size
 def problems(model, gen: torch.Generator) -> list[str]:
     """What is wrong with `model`'s kernels (a Llama on KernelOps), or nothing."""
     return _paged(model, gen) + _accuracy(model, gen)
+
+
+def shipped(model, gen: torch.Generator) -> list[str]:
+    """The weights whose blocks as shipped do not give their fp32 values' bits: 3 random rows through each weight
+    that has them, in every layer, and through its fp32 panels alone (the row counts' check is of the first layer;
+    this is of each weight's own data, so it is never cached)."""
+    bad = []
+    for name, w in model.gemm_weights().items():
+        if w.quant is not None:
+            x = torch.randn(3, w.shape[1], generator=gen)
+            if not torch.equal(model.ops.linear(x, w), model.ops.linear(x, Packed(w.panels, w.n))):
+                bad.append(name)
+    return bad
 
 
 def attention64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ and the startup probe confirms it. On torch's, every row-wise op (the GEMMs, RMS
 row counts the probe verified on this CPU (models/exactness.py), and attention in calls whose query rows and keys
 it verified (models/attention.py).
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -13,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.cache.pool import KVPool
-from prefixcache.models import attention, paged
+from prefixcache.models import attention, paged, quant
 from prefixcache.models.attention import Queries
 from prefixcache.models.exactness import Exactness, RowOp, in_calls, rows_plan
 from prefixcache.models.loader import Weights
-from prefixcache.models.rowwise import KernelOps, TorchOps
+from prefixcache.models.rowwise import KernelOps, Packed, TorchOps
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -37,19 +38,22 @@ class Llama:
         self.tile = tile
         self.embed = w["model.embed_tokens.weight"]
         self.ops = ops
-        self.lm_head = ops.prepare(self.embed if c.tie_embeddings else w["lm_head.weight"])
+        head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
+        self.lm_head = ops.prepare(w[head], weights.shipped.get(head))
         self.norm = w["model.norm.weight"]
         self.layers = []
+
+        def linear(*names: str):  # weights stacked by rows, and their blocks as shipped if every one has them
+            return ops.prepare(torch.cat([w[n] for n in names]), quant.join([weights.shipped.get(n) for n in names]))
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
             bias = torch.cat([w[a + n + "_proj.bias"] for n in "qkv"]) if c.attention_bias else None
             self.layers.append(dict(
                 ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
-                qkv=ops.prepare(qkv), qkv_bias=bias, o=ops.prepare(w[a + "o_proj.weight"]),
-                gate_up=ops.prepare(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
-                down=ops.prepare(w[p + "mlp.down_proj.weight"]),
+                qkv=linear(*(a + n + "_proj.weight" for n in "qkv")), qkv_bias=bias, o=linear(a + "o_proj.weight"),
+                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=linear(p + "mlp.down_proj.weight"),
             ))
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
         freqs = torch.outer(torch.arange(c.max_position, dtype=torch.float32), inv_freq)
@@ -61,6 +65,17 @@ class Llama:
     def paged(self) -> bool:
         """On our kernels: row-wise calls of any size, and paged attention."""
         return isinstance(self.ops, KernelOps)
+
+    def gemm_weights(self) -> dict[str, torch.Tensor | Packed]:
+        """Every GEMM's weight, by a name for people ("down of layer 3")."""
+        named = {f"{name} of layer {i}": L[name] for i, L in enumerate(self.layers) for name in LINEARS}
+        return {**named, "lm_head": self.lm_head}
+
+    def drop_shipped(self) -> None:
+        """Read the fp32 panels alone from now on (weights as shipped that the startup check found wrong)."""
+        self.lm_head = dataclasses.replace(self.lm_head, quant=None, kind="")
+        for L in self.layers:
+            L.update({name: dataclasses.replace(L[name], quant=None, kind="") for name in LINEARS})
 
     def use(self, ops: TorchOps | KernelOps) -> None:
         """Run on other ops from now on (the torch path, when the kernels fail their startup check)."""

@@ -2,11 +2,13 @@
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 import xxhash
+
+from prefixcache.models.quant import SHIPPED, Blocks
 
 GGUF_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -42,11 +44,14 @@ class Weights:
     tokenizer: object  # transformers PreTrainedTokenizerFast
     fingerprint: str
     name: str
+    # a GGUF's quantized weights as the file stores them, by HF name (fp32 only: `tensors` holds their values)
+    shipped: dict[str, Blocks] = field(default_factory=dict)
 
 
-def load(path: str, dtype: torch.dtype = torch.float32) -> Weights:
+def load(path: str, dtype: torch.dtype = torch.float32, shipped: bool = True) -> Weights:
     """Load a GGUF file or an HF safetensors folder. A GGUF file is converted once into an HF folder in the
-    user cache (keyed by the file's hash), so later loads only map safetensors."""
+    user cache (keyed by the file's hash), so later loads only map safetensors; with `shipped`, its Q4_1 and Q8_0
+    blocks are read too."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path}")
     if os.path.isdir(path):
@@ -58,7 +63,8 @@ def load(path: str, dtype: torch.dtype = torch.float32) -> Weights:
     config, tensors, tokenizer = _load_hf_dir(folder)
     tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
     name = os.path.basename(path.rstrip("/")).removesuffix(".gguf")
-    return Weights(config, tensors, tokenizer, fingerprint(config, tensors, dtype), name)
+    blocks = _shipped(path, folder) if shipped and dtype == torch.float32 and path.endswith(".gguf") else {}
+    return Weights(config, tensors, tokenizer, fingerprint(config, tensors, dtype), name, blocks)
 
 
 def converted_folder(gguf_path: str) -> str:
@@ -100,38 +106,19 @@ def fingerprint(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
 
 
 def _read_gguf(path: str):
-    import gguf
     from transformers import AutoTokenizer
 
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the gguf package raises assorted errors on a bad file
-        raise ValueError(f"corrupt or unreadable GGUF file {path}: {e}") from e
-    fields = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    arch = fields.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {ARCHITECTURES}")
-    heads = fields[f"{arch}.attention.head_count"]
-    kv_heads = fields.get(f"{arch}.attention.head_count_kv") or heads
-    tensors = {}
-    for t in reader.tensors:
-        data = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
-        else:
-            name = f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
-        if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):  # llama.cpp interleaves rotary pairs
-            data = _unpermute(data, heads if parts[-2] == "attn_q" else kv_heads)
-        tensors[name] = data.contiguous()
+    reader, fields, arch = _open_gguf(path)
+    tensors = {name: torch.from_numpy(data) for name, _, data in _gguf_tensors(reader, fields, arch, _dequantized)}
     hidden = fields[f"{arch}.embedding_length"]
+    heads = fields[f"{arch}.attention.head_count"]
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
     hf_config = {
         "model_type": arch, "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                                "mistral": "MistralForCausalLM"}[arch]],
         "vocab_size": tensors["model.embed_tokens.weight"].shape[0], "hidden_size": hidden,
         "intermediate_size": fields[f"{arch}.feed_forward_length"], "num_hidden_layers": fields[f"{arch}.block_count"],
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "num_attention_heads": heads, "num_key_value_heads": fields.get(f"{arch}.attention.head_count_kv") or heads,
         "head_dim": fields.get(f"{arch}.attention.key_length", hidden // heads),
         "rope_theta": float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
         "rms_norm_eps": float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
@@ -143,7 +130,70 @@ def _read_gguf(path: str):
     return hf_config, tensors, tokenizer
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def _shipped(gguf_path: str, folder: str) -> dict[str, Blocks]:
+    """The GGUF's Q4_1 and Q8_0 weights as it stores them, rows in the order of the dequantized ones; kept beside
+    in its converted folder, apart from the model's tensors (reading the GGUF's metadata takes seconds, mapping this
+    file none)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = os.path.join(folder, "shipped", "blocks.safetensors")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        reader, fields, arch = _open_gguf(gguf_path)
+        found = list(_gguf_tensors(reader, fields, arch, _raw))
+        save_file({name: torch.from_numpy(data) for name, _, data in found}, f"{path}.tmp{os.getpid()}",
+                  metadata={name: kind for name, kind, _ in found})
+        os.replace(f"{path}.tmp{os.getpid()}", path)
+    with safe_open(path, "pt") as f:
+        kinds = f.metadata() or {}
+        return {name: Blocks(kinds[name], f.get_tensor(name)) for name in f.keys()}
+
+
+def _open_gguf(path: str):
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the gguf package raises assorted errors on a bad file
+        raise ValueError(f"corrupt or unreadable GGUF file {path}: {e}") from e
+    fields = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {ARCHITECTURES}")
+    return reader, fields, arch
+
+
+def _dequantized(t) -> np.ndarray:
+    import gguf
+
+    return np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+
+def _raw(t) -> np.ndarray | None:
+    """A tensor's blocks as stored, [rows, bytes], if it is of a kind our kernels read (quant.SHIPPED)."""
+    return np.array(t.data) if t.tensor_type.name in SHIPPED else None
+
+
+def _gguf_tensors(reader, fields: dict, arch: str, read):
+    """(HF name, GGUF type, read(tensor)) for each tensor that `read` gives, rows in HF order."""
+    heads = fields[f"{arch}.attention.head_count"]
+    kv_heads = fields.get(f"{arch}.attention.head_count_kv") or heads
+    for t in reader.tensors:
+        data = read(t)
+        if data is None:
+            continue
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            name = f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
+        else:
+            name = f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
+        if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):  # llama.cpp interleaves rotary pairs
+            data = _unpermute(data, heads if parts[-2] == "attn_q" else kv_heads)
+        yield name, t.tensor_type.name, np.ascontiguousarray(data)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     shape = w.shape
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 

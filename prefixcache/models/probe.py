@@ -37,7 +37,7 @@ from prefixcache.models.exactness import (
     row_target,
     rows_plan,
 )
-from prefixcache.models.rowwise import TorchOps
+from prefixcache.models.rowwise import QUANT_ROWS, TorchOps
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def probe(model, mode: str, max_rows: int, max_head_rows: int, kernel_status: st
     if model.paged:
         plan = _cached(model, "kernel", max_rows, max_head_rows, _confirm)
         if plan.mode == "kernel":
-            plan.kernels = kernel_status
+            plan.kernels = kernel_status + _shipped_reads(model)
             return plan
         kernel_status = f"off: failed the startup check ({plan.note})"
         log.warning("prefixcache kernels: %s; running the torch path", kernel_status)
@@ -61,6 +61,24 @@ def probe(model, mode: str, max_rows: int, max_head_rows: int, kernel_status: st
         plan = _cached(model, mode, max_rows, max_head_rows, _search)
     plan.kernels = kernel_status
     return plan
+
+
+def _shipped_reads(model) -> str:
+    """What the kernels read of weights as shipped, once each weight's blocks are found to give its fp32 values'
+    bits; if one does not, none is read (the fp32 panels serve every call), and the log says so."""
+    kinds = sorted({w.kind for w in model.gemm_weights().values() if w.quant is not None})
+    if not kinds:
+        return ""
+    bad = kernel_check.shipped(model, torch.Generator().manual_seed(3))
+    if bad:
+        model.drop_shipped()
+        log.warning("prefixcache kernels: weights as shipped differ from their fp32 values (%s): not read",
+                    ", ".join(bad))
+        return f"; weights as shipped not read: {', '.join(bad[:3])} differ from their fp32 values"
+    mb = [sum(t.numel() * t.element_size() for w in model.gemm_weights().values() for t in (w.panels, w.quant)
+              if t is not None and (t is w.quant) == q) / 1e6 for q in (True, False)]
+    return (f"; calls of up to {QUANT_ROWS[model.ops.name]} rows read the weights as shipped ({'/'.join(kinds)}, "
+            f"{mb[0]:.0f} MB; the fp32 panels hold {mb[1]:.0f} MB)")
 
 
 def _cached(model, mode: str, max_rows: int, max_head_rows: int, find: Callable[..., Exactness]) -> Exactness:

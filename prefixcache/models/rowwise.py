@@ -14,16 +14,24 @@ import torch.nn.functional as F
 
 from prefixcache.config import ISAS
 from prefixcache.kernels import source_hash
+from prefixcache.models.quant import Blocks, lay_out
 
 _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # in every x86-64 build of torch
+# calls of at most this many rows read weights as shipped, where they have them: fewer bytes, more arithmetic. On
+# a Zen 4 over every layer's weights, 1 row took 6.4-8.5 ms against the fp32 panels' 18.4-23; 8 rows 16.4-18.9
+# against 18.8-25 (avx512); the avx2 build there, 10-14 against 22-30 at 1 row, no gain at 8
+QUANT_ROWS = {"avx512": 8, "avx2": 4}
 
 
 @dataclass
 class Packed:
     """A weight [n, k] as panels of 16 rows, [ceil(n / 16), k, 16] (the last zero-padded): the kernel reads row k of
-    a panel, 16 outputs' weights, as one vector."""
+    a panel, 16 outputs' weights, as one vector. With `quant`, the same weights as a GGUF ships them (`kind`), laid
+    out by models/quant.py: calls of few rows read those bytes instead, for the same bits."""
     panels: torch.Tensor
     n: int
+    quant: torch.Tensor | None = None
+    kind: str = ""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -40,7 +48,7 @@ class TorchOps:
         """What decides the bits of this path's results: torch's build and the CPU its kernels dispatch on."""
         return f"torch {torch.__version__} on {cpu}"
 
-    def prepare(self, w: torch.Tensor | Packed) -> torch.Tensor:
+    def prepare(self, w: torch.Tensor | Packed, shipped: Blocks | None = None) -> torch.Tensor:
         return w.unpack() if isinstance(w, Packed) else w
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -77,29 +85,38 @@ class KernelOps:
         """The kernels' sources alone: every build on every CPU gives the same bits."""
         return f"prefixcache kernels {source_hash()}"
 
-    def prepare(self, w: torch.Tensor | Packed) -> Packed:
+    def prepare(self, w: torch.Tensor | Packed, shipped: Blocks | None = None) -> Packed:
+        """w packed in panels; with `shipped` (w's values as a GGUF stores them), those blocks laid out beside."""
         if isinstance(w, Packed):
             return w
         n, k = w.shape
         panels = -(-n // 16)
-        return Packed(F.pad(w, (0, 0, 0, panels * 16 - n)).view(panels, 16, k).transpose(1, 2).contiguous(), n)
+        packed = Packed(F.pad(w, (0, 0, 0, panels * 16 - n)).view(panels, 16, k).transpose(1, 2).contiguous(), n)
+        if shipped is not None:
+            assert shipped.shape == (n, k), "shipped blocks of another shape"
+            packed.quant, packed.kind = lay_out(shipped), shipped.kind
+        return packed
 
     def linear(self, x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.prefixcache.linear(x.contiguous(), weight.panels, bias, weight.n, self.isa,
-                                            residual=residual)
+                                            residual=residual, quant=self._quant(x, weight))
 
     def norm_linear(self, x: torch.Tensor, norm: torch.Tensor, eps: float, weight: Packed,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.prefixcache.linear(x.contiguous(), weight.panels, bias, weight.n, self.isa, norm, eps)
+        return torch.ops.prefixcache.linear(x.contiguous(), weight.panels, bias, weight.n, self.isa, norm, eps,
+                                            quant=self._quant(x, weight))
 
     def swiglu_linear(self, gate_up: torch.Tensor, weight: Packed,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.prefixcache.linear(gate_up.contiguous(), weight.panels, None, weight.n, self.isa,
-                                            swiglu=True, residual=residual)
+                                            swiglu=True, residual=residual, quant=self._quant(gate_up, weight))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.ops.prefixcache.rms_norm(x.contiguous(), weight, eps, self.isa)
+
+    def _quant(self, x: torch.Tensor, weight: Packed) -> torch.Tensor | None:
+        return weight.quant if x.shape[0] <= QUANT_ROWS[self.name] else None
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.prefixcache.silu_mul(gate_up.contiguous(), self.isa)

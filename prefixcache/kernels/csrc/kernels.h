@@ -42,6 +42,10 @@ inline int64_t attn_scratch(const AttnArgs& a) { return 2 * attn_partial(a) + MA
   namespace ns {                                                                                               \
   void linear(const float* x, int64_t m, int64_t k, const float* packed, const float* bias, const float* res,  \
               float* y, int64_t n, int64_t p0, int64_t p1);                                                    \
+  void linear_q4_1(const float* x, int64_t m, int64_t k, const uint8_t* q, const float* bias, const float* res,  \
+                   float* y, int64_t n, int64_t p0, int64_t p1);                                               \
+  void linear_q8_0(const float* x, int64_t m, int64_t k, const uint8_t* q, const float* bias, const float* res,  \
+                   float* y, int64_t n, int64_t p0, int64_t p1);                                               \
   void rms_norm(const float* x, const float* w, float* y, int64_t k, float eps, int64_t r0, int64_t r1);       \
   void silu_mul(const float* gate_up, float* y, int64_t i, int64_t r0, int64_t r1);                            \
   void attend(const AttnArgs& a, float* scratch, int64_t u0, int64_t u1);                                      \

@@ -1,4 +1,4 @@
 #define PC_AVX2
 #define PC_NS avx2
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #include "kernels.inc"

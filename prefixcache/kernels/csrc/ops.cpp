@@ -16,20 +16,22 @@ struct Isa {
   const char* name;
   decltype(&avx2::rope_store) rope_store;
   decltype(&avx2::linear) linear;
+  decltype(&avx2::linear_q4_1) linear_q4_1;
+  decltype(&avx2::linear_q8_0) linear_q8_0;
   decltype(&avx2::rms_norm) rms_norm;
   decltype(&avx2::silu_mul) silu_mul;
   decltype(&avx2::attend) attend;
   decltype(&avx2::attend_spans) attend_spans;
   decltype(&avx2::attend_merge) attend_merge;
 };
-const Isa AVX512{"avx512", avx512::rope_store, avx512::linear, avx512::rms_norm, avx512::silu_mul, avx512::attend,
+const Isa AVX512{"avx512", avx512::rope_store, avx512::linear, avx512::linear_q4_1, avx512::linear_q8_0, avx512::rms_norm, avx512::silu_mul, avx512::attend,
                  avx512::attend_spans, avx512::attend_merge};
-const Isa AVX2{"avx2", avx2::rope_store, avx2::linear, avx2::rms_norm, avx2::silu_mul, avx2::attend,
+const Isa AVX2{"avx2", avx2::rope_store, avx2::linear, avx2::linear_q4_1, avx2::linear_q8_0, avx2::rms_norm, avx2::silu_mul, avx2::attend,
                avx2::attend_spans, avx2::attend_merge};
 bool supports(const char* name) {
   __builtin_cpu_init();
   if (std::string(name) == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
 // the builds this CPU can run, best first; an op's isa argument indexes {avx512, avx2}
@@ -79,10 +81,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) {
 
 // x' @ w.T (+ bias) (+ residual [m, n]) for w packed by panels of 16 rows, [ceil(n / 16), k, 16], where x' is x,
 // rms_norm(x, norm) or (swiglu) silu_mul(x): one op with the bits of the separate ones, each result rounded as
-// they round it (the residual added after the bias, as torch adds it to the op's result)
+// they round it (the residual added after the bias, as torch adds it to the op's result). quant: the same weights
+// as GGUF ships them (models/quant.py), read instead of packed: they dequantize to packed's values, the same bits.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
                   int64_t isa, const c10::optional<at::Tensor>& norm, double eps, bool swiglu,
-                  const c10::optional<at::Tensor>& residual) {
+                  const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& quant) {
   check_f32(packed, "packed");
   TORCH_CHECK(!(norm.has_value() && swiglu), "linear: rms_norm or swiglu, not both");
   const at::Tensor in = norm.has_value() ? rms_norm(x, *norm, eps, isa) : swiglu ? silu_mul(x, isa) : x;
@@ -105,6 +108,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   at::Tensor y = at::empty({m, n}, in.options());
   const float *xp = in.data_ptr<float>(), *wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (quant.has_value()) {
+    const int64_t bytes = quant->size(-1);
+    TORCH_CHECK(quant->scalar_type() == at::kByte && quant->is_contiguous() && quant->dim() == 3 &&
+                    quant->size(0) == panels && kk % 32 == 0 && quant->size(1) == kk / 32 && (bytes == 320 || bytes == 544),
+                "linear: quant must be uint8 [panels, k / 32, 320 (Q4_1) or 544 (Q8_0)]");
+    const auto fn = bytes == 320 ? k.linear_q4_1 : k.linear_q8_0;
+    const uint8_t* qp = quant->data_ptr<uint8_t>();
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { fn(xp, m, kk, qp, b, res, yp, n, p0, p1); });
+    return y;
+  }
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { k.linear(xp, m, kk, wp, b, res, yp, n, p0, p1); });
   return y;
 }
@@ -201,7 +214,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 TORCH_LIBRARY(prefixcache, m) {
   m.def("supported() -> str[]", &supported);
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, int isa, Tensor? norm=None, float eps=0., "
-        "bool swiglu=False, Tensor? residual=None) -> Tensor", &linear);
+        "bool swiglu=False, Tensor? residual=None, Tensor? quant=None) -> Tensor", &linear);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor", &rms_norm);
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor", &silu_mul);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
