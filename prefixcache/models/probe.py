@@ -75,10 +75,11 @@ def _shipped_reads(model) -> str:
         log.warning("prefixcache kernels: weights as shipped differ from their fp32 values (%s): not read",
                     ", ".join(bad))
         return f"; weights as shipped not read: {', '.join(bad[:3])} differ from their fp32 values"
-    mb = [sum(t.numel() * t.element_size() for w in model.gemm_weights().values() for t in (w.panels, w.quant)
-              if t is not None and (t is w.quant) == q) / 1e6 for q in (True, False)]
+    weights = model.gemm_weights().values()
+    shipped = sum(w.quant.numel() for w in weights if w.quant is not None) / 1e6
+    fp32 = sum(w.panels.numel() * w.panels.element_size() for w in weights) / 1e6
     return (f"; calls of up to {QUANT_ROWS[model.ops.name]} rows read the weights as shipped ({'/'.join(kinds)}, "
-            f"{mb[0]:.0f} MB; the fp32 panels hold {mb[1]:.0f} MB)")
+            f"{shipped:.0f} MB; the fp32 panels hold {fp32:.0f} MB)")
 
 
 def _cached(model, mode: str, max_rows: int, max_head_rows: int, find: Callable[..., Exactness]) -> Exactness:

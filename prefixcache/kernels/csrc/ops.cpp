@@ -24,10 +24,10 @@ struct Isa {
   decltype(&avx2::attend_spans) attend_spans;
   decltype(&avx2::attend_merge) attend_merge;
 };
-const Isa AVX512{"avx512", avx512::rope_store, avx512::linear, avx512::linear_q4_1, avx512::linear_q8_0, avx512::rms_norm, avx512::silu_mul, avx512::attend,
-                 avx512::attend_spans, avx512::attend_merge};
-const Isa AVX2{"avx2", avx2::rope_store, avx2::linear, avx2::linear_q4_1, avx2::linear_q8_0, avx2::rms_norm, avx2::silu_mul, avx2::attend,
-               avx2::attend_spans, avx2::attend_merge};
+const Isa AVX512{"avx512", avx512::rope_store, avx512::linear, avx512::linear_q4_1, avx512::linear_q8_0,
+                 avx512::rms_norm, avx512::silu_mul, avx512::attend, avx512::attend_spans, avx512::attend_merge};
+const Isa AVX2{"avx2", avx2::rope_store, avx2::linear, avx2::linear_q4_1, avx2::linear_q8_0, avx2::rms_norm,
+               avx2::silu_mul, avx2::attend, avx2::attend_spans, avx2::attend_merge};
 bool supports(const char* name) {
   __builtin_cpu_init();
   if (std::string(name) == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
@@ -111,7 +111,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   if (quant.has_value()) {
     const int64_t bytes = quant->size(-1);
     TORCH_CHECK(quant->scalar_type() == at::kByte && quant->is_contiguous() && quant->dim() == 3 &&
-                    quant->size(0) == panels && kk % 32 == 0 && quant->size(1) == kk / 32 && (bytes == 320 || bytes == 544),
+                    quant->size(0) == panels && kk % 32 == 0 && quant->size(1) == kk / 32 &&
+                    (bytes == 320 || bytes == 544),
                 "linear: quant must be uint8 [panels, k / 32, 320 (Q4_1) or 544 (Q8_0)]");
     const auto fn = bytes == 320 ? k.linear_q4_1 : k.linear_q8_0;
     const uint8_t* qp = quant->data_ptr<uint8_t>();

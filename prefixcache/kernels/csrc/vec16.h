@@ -34,7 +34,9 @@ struct V16 {
     return hsum8(s8);
   }
   static V16 load_f16(const void* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
-  static V16 load_i8(const void* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))}; }
+  static V16 load_i8(const void* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))};
+  }
   static void load_nibbles(const void* p, V16& lo, V16& hi) {  // 16 bytes: their low and their high nibbles
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
     lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
@@ -98,15 +100,18 @@ struct V16 {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
   }
   static V16 load_f16(const void* p) {
-    return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p + 1))};
+    const __m128i* h = (const __m128i*)p;
+    return {_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1))};
   }
   static V16 load_i8(const void* p) {
     const __m128i b = _mm_loadu_si128((const __m128i*)p);
-    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
   }
   static void load_nibbles(const void* p, V16& lo, V16& hi) {
     const __m128i b = _mm_loadu_si128((const __m128i*)p);
-    const __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)), f = _mm256_set1_epi32(15);
+    const __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    const __m256i f = _mm256_set1_epi32(15);
     lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, f)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, f))};
     hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
   }
