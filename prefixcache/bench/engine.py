@@ -66,6 +66,8 @@ def side_ours(exactness: str = "auto", dtype: str = "float32", kernels: str = "a
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # one engine, before the cache runs
     if exactness == "auto" and dtype == "float32":
         r.update(_cache_figures(cold))
+        if quantized_reads and cold.engine.runner.model.paged:
+            r["shipped_ab"] = _shipped_ab(cold)
     if dtype == "bfloat16":
         r["greedy_agreement"] = _greedy_agreement(cold)
     return r
@@ -134,6 +136,33 @@ def _decode_step_ms(llm, b: int) -> float:
         llm.engine.step()
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3
+
+
+def _shipped_ab(shipped, batches: tuple[int, ...] = (1, 2, 4, 8), steps: int = 15) -> dict:
+    """Decode steps at context DECODE_CTX reading the weights as shipped and reading fp32 panels alone, one step of
+    each in turn in this process (a shared machine's bandwidth moves by the minute): b -> their median ms."""
+    from prefixcache import LLM, SamplingParams
+
+    llms = {"shipped": shipped, "fp32": LLM(enable_prefix_cache=False, quantized_reads=False)}
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_CTX, ignore_eos=True)
+    out = {}
+    for b in batches:
+        seqs = {k: [llm.engine.add_request(_tokens(DECODE_CTX, 100 + i), params) for i in range(b)]
+                for k, llm in llms.items()}
+        for k, llm in llms.items():
+            while any(s.num_computed < s.num_prompt for s in seqs[k]):
+                llm.engine.step()
+        times = {k: [] for k in llms}
+        for _ in range(steps):
+            for k, llm in llms.items():
+                t = time.perf_counter()
+                llm.engine.step()
+                times[k].append(time.perf_counter() - t)
+        out[str(b)] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        for k, llm in llms.items():
+            for seq in seqs[k]:
+                llm.engine.abort(seq)
+    return out
 
 
 def _gemm_ms(model, rows: int, head_rows: int, repeats: int = REPEATS) -> float:

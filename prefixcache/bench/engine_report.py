@@ -39,6 +39,13 @@ def report(sides: dict[str, dict], hf: dict, cpu: str, decode_ctx: int) -> str:
         lines += ["", f"bf16 weights, greedy against fp32 (= HF fp32) on {g['prompts']} chats with ~1k-token system "
                   f"prompts, {g['tokens']} tokens each: {g['identical']} identical; the others first differ at "
                   f"token {g['first_difference'] or '-'}."]
+    if "shipped_ab" in ours:
+        ab = ours["shipped_ab"]
+        lines += ["", f"Decode steps at context {decode_ctx} reading the weights as shipped and reading fp32 panels "
+                  "alone, a step of each in turn in one process (median ms):", "",
+                  "| sequences | as shipped | fp32 panels | fp32 / shipped |", "|---|---|---|---|"]
+        lines += [f"| {b} | {t['shipped']:.1f} | {t['fp32']:.1f} | {t['fp32'] / t['shipped']:.2f}x |"
+                  for b, t in ab.items()]
     lines += ["", "## Prefix cache", "", "| figure | value |", "|---|---|"]
     for key in ("hit_4096_64_ttft_s", "miss_4096_64_ttft_s", "suffix_floor_64_on_4096_s", "hit_over_floor",
                 "miss_over_hit", "kv_bytes_per_token", "kv_dtype"):
