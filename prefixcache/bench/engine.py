@@ -58,7 +58,7 @@ def side_ours(exactness: str = "auto", dtype: str = "float32", kernels: str = "a
     for b in (1, 8):
         # the bandwidth just before and just after the steps, the higher: a shared machine's varies by the minute
         before = _read_gb_s()
-        r[f"decode_b{b}_step_ms"] = _decode_step_ms(cold, b)
+        r[f"decode_b{b}_step_ms"] = _decode_step_ms([cold], b)[0]
         r[f"decode_b{b}_read_gb_s"] = max(before, _read_gb_s())
         r[f"decode_b{b}_floor_ms"] = _gemm_ms(model, b, b, 10)
         r[f"decode_b{b}_bytes"] = _step_bytes(cold, b, DECODE_CTX)
@@ -66,8 +66,10 @@ def side_ours(exactness: str = "auto", dtype: str = "float32", kernels: str = "a
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # one engine, before the cache runs
     if exactness == "auto" and dtype == "float32":
         r.update(_cache_figures(cold))
-        if quantized_reads and cold.engine.runner.model.paged:
-            r["shipped_ab"] = _shipped_ab(cold)
+        if quantized_reads and cold.engine.runner.model.paged:  # decode steps reading fp32 panels alone, in turn
+            fp32 = LLM(enable_prefix_cache=False, quantized_reads=False)
+            r["shipped_ab"] = {str(b): dict(zip(("shipped", "fp32"), _decode_step_ms([cold, fp32], b)))
+                               for b in (1, 2, 4, 8)}
     if dtype == "bfloat16":
         r["greedy_agreement"] = _greedy_agreement(cold)
     return r
@@ -122,47 +124,23 @@ def _unpadded(plan, tile: int):
                      key_lengths=list(range(KEY_STEP, tile, KEY_STEP)))
 
 
-def _decode_step_ms(llm, b: int) -> float:
-    """The median engine step of b sequences decoding at context DECODE_CTX."""
+def _decode_step_ms(llms: list, b: int) -> list[float]:
+    """The median engine step of b sequences decoding at context DECODE_CTX, for each engine; with several, a step
+    of each in turn (a shared machine's bandwidth moves by the minute)."""
     from prefixcache import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
-    seqs = [llm.engine.add_request(_tokens(DECODE_CTX, 100 + i), params) for i in range(b)]
-    while any(s.num_computed < s.num_prompt for s in seqs):
-        llm.engine.step()
-    times = []
-    while llm.engine.has_unfinished():
-        t = time.perf_counter()
-        llm.engine.step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
-
-
-def _shipped_ab(shipped, batches: tuple[int, ...] = (1, 2, 4, 8), steps: int = 15) -> dict:
-    """Decode steps at context DECODE_CTX reading the weights as shipped and reading fp32 panels alone, one step of
-    each in turn in this process (a shared machine's bandwidth moves by the minute): b -> their median ms."""
-    from prefixcache import LLM, SamplingParams
-
-    llms = {"shipped": shipped, "fp32": LLM(enable_prefix_cache=False, quantized_reads=False)}
-    params = SamplingParams(temperature=0.0, max_tokens=DECODE_CTX, ignore_eos=True)
-    out = {}
-    for b in batches:
-        seqs = {k: [llm.engine.add_request(_tokens(DECODE_CTX, 100 + i), params) for i in range(b)]
-                for k, llm in llms.items()}
-        for k, llm in llms.items():
-            while any(s.num_computed < s.num_prompt for s in seqs[k]):
-                llm.engine.step()
-        times = {k: [] for k in llms}
-        for _ in range(steps):
-            for k, llm in llms.items():
-                t = time.perf_counter()
-                llm.engine.step()
-                times[k].append(time.perf_counter() - t)
-        out[str(b)] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        for k, llm in llms.items():
-            for seq in seqs[k]:
-                llm.engine.abort(seq)
-    return out
+    for llm in llms:
+        seqs = [llm.engine.add_request(_tokens(DECODE_CTX, 100 + i), params) for i in range(b)]
+        while any(s.num_computed < s.num_prompt for s in seqs):
+            llm.engine.step()
+    times = [[] for _ in llms]
+    while any(llm.engine.has_unfinished() for llm in llms):
+        for llm, steps in zip(llms, times):
+            t = time.perf_counter()
+            llm.engine.step()
+            steps.append(time.perf_counter() - t)
+    return [statistics.median(steps) * 1e3 for steps in times]
 
 
 def _gemm_ms(model, rows: int, head_rows: int, repeats: int = REPEATS) -> float:
