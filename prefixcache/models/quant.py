@@ -48,4 +48,6 @@ def lay_out(b: Blocks) -> torch.Tensor:
         nibbles = by_row[..., 4:]  # byte j: q(j) low, q(j + 16) high
         q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).view(panels, nb, 16, 16, 2)  # [.., row, g, k parity]
         qs = (q[..., 0] | (q[..., 1] << 4)).transpose(2, 3)  # [panels, blocks, g, row]
-    return torch.cat([*scales, qs.reshape(panels, nb, -1)], dim=-1).contiguous()
+    out = torch.cat([*scales, qs.reshape(panels, nb, -1)], dim=-1).contiguous()
+    assert out.shape[-1] == LAID_OUT[b.kind], "the kernels read blocks of LAID_OUT bytes"
+    return out

@@ -10,7 +10,7 @@ from conftest import GREEDY
 from prefixcache import LLM, kernels
 from prefixcache.config import default_model_path
 from prefixcache.models import loader
-from prefixcache.models.quant import SHIPPED, Blocks, join, lay_out
+from prefixcache.models.quant import LAID_OUT, SHIPPED, Blocks, join, lay_out
 from prefixcache.models.rowwise import QUANT_ROWS, KernelOps, Packed
 
 AVAILABLE = kernels.choose("auto").isa
@@ -39,7 +39,7 @@ def test_blocks_as_shipped_give_the_bits_of_their_fp32_values(kind, n, k):
     for ops in BUILDS:
         packed = ops.prepare(w, blocks)
         fp32 = Packed(packed.panels, packed.n)
-        assert packed.kind == kind and packed.quant.shape == (-(-n // 16), k // 32, {"Q4_1": 320, "Q8_0": 544}[kind])
+        assert packed.kind == kind and packed.quant.shape == (-(-n // 16), k // 32, LAID_OUT[kind])
         for m in range(1, 18):
             assert torch.equal(ops.linear(x[:m], packed, b, res[:m]), ops.linear(x[:m], fp32, b, res[:m])), (ops, m)
             assert torch.equal(ops.norm_linear(x[:m], norm, 1e-5, packed), ops.norm_linear(x[:m], norm, 1e-5, fp32))
