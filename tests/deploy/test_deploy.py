@@ -179,6 +179,25 @@ def test_kubernetes_redis_has_a_password_and_admits_only_replicas_and_routers():
     assert rule["ports"] == [{"protocol": "TCP", "port": redis_port}]
 
 
+def test_kubernetes_admits_prometheus_from_the_monitoring_namespace_alone():
+    """`namespaceSelector: {}` selects every namespace: a pod labelled as Prometheus in any of them could read the
+    replicas' keyless metrics port. A peer that names namespaces names one, beside a podSelector in the same entry
+    (both must hold); the metrics port admits the Prometheus pods of "monitoring"."""
+    by_kind = k8s_objects()
+    [replicas] = by_kind["StatefulSet"].values()
+    metrics_port = parse(commands(replicas)[0]).metrics_port
+    for name, policy in by_kind["NetworkPolicy"].items():
+        for rule in policy["spec"]["ingress"]:
+            for peer in rule.get("from", []):
+                if "namespaceSelector" in peer:
+                    assert list(peer["namespaceSelector"].get("matchLabels", {})) == ["kubernetes.io/metadata.name"]
+                    assert peer.get("podSelector", {}).get("matchLabels"), (name, peer)
+    rules = by_kind["NetworkPolicy"]["prefixcache-replica"]["spec"]["ingress"]
+    peers = [p for rule in rules if {"protocol": "TCP", "port": metrics_port} in rule["ports"] for p in rule["from"]]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}} in peers
+
+
 def test_kubernetes_names_and_ports_agree():
     by_kind = k8s_objects()
 
