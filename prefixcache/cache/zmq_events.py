@@ -10,9 +10,10 @@ hash with `lora_name` alone; they do not read `extra_keys`. So a block that not 
 tenant's, other labels' or a salted scope's) gets an opaque `lora_name` of its scope, "scope:<hex>", that no
 request names: such routers then never predict, for one tenant's request, a hit on another's entries (the engine
 would refuse it, and the routing choice would tell of them). Only public blocks (the declared shared scope, or the
-one tenant of a server without keys) route by their tokens. With `include_token_ids` false the token ids are left
-out (for a bus that must not carry prompts). `event_encoding`
-"array" sends events as older vLLM did, for consumers built on it: positional arrays [tag, fields...], and block
+one tenant of a server without keys) route by their tokens, and only with `include_token_ids` true: by default
+`token_ids` is an empty list (vLLM's schema decodes it; routers that hash tokens cannot index such blocks), so the
+bus carries no tenant's prompts unless the operator opts in for a router that needs them. `event_encoding` "array"
+sends events as older vLLM did, for consumers built on it: positional arrays [tag, fields...], and block
 hashes as the unsigned 64-bit integer of the key's first 8 bytes (a router's guess may then collide, which costs a
 routing choice, never KV: the engine matches full keys and tokens).
 
@@ -75,7 +76,7 @@ class EventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000  # events waiting for the next batch; beyond it they are dropped and counted
     topic: str = ""
-    include_token_ids: bool = True
+    include_token_ids: bool = False  # every tenant's prompts on the bus: opt-in
     event_encoding: str = "map"  # "map" (vLLM 0.32's) or "array" (older vLLM's)
 
     @classmethod

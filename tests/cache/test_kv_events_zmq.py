@@ -88,7 +88,7 @@ def replayed(tmp_path, start: int, kind: type, n: int) -> list:
 
 
 def test_the_cache_in_vllms_kv_events_live_and_replayed(tiny_model, tmp_path):
-    llm = LLM(model=tiny_model, kv_events_config=config(tmp_path))
+    llm = LLM(model=tiny_model, kv_events_config=config(tmp_path, include_token_ids=True))
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     connected = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
@@ -138,12 +138,15 @@ def test_the_cache_in_vllms_kv_events_live_and_replayed(tiny_model, tmp_path):
         sub.close(linger=0)
 
 
-def test_token_ids_can_stay_off_the_bus(tiny_model, tmp_path):
-    llm = LLM(model=tiny_model, kv_events_config=config(tmp_path, include_token_ids=False))
+@pytest.mark.parametrize("setting", [{}, {"include_token_ids": False}])
+def test_token_ids_stay_off_the_bus_unless_asked_for(tiny_model, tmp_path, setting):
+    """Every tenant's prompts would ride the bus: the token lists are empty (vLLM's schema still decodes them) unless
+    the config sets include_token_ids."""
+    llm = LLM(model=tiny_model, kv_events_config=config(tmp_path, **setting))
     try:
-        llm.generate([PROMPT], ONE)
+        llm.generate([PROMPT], ONE, scope=CacheScope(tenant="globex"))
         stored = replayed(tmp_path, 0, BlockStored, 2)
-        assert len(stored) == 2 and all(e.token_ids == [] for e in stored)
+        assert len(stored) == 2 and all(e.token_ids == [] and e.block_size == 16 for e in stored)
     finally:
         llm.engine.close()
 
@@ -173,7 +176,7 @@ class OldBatch(msgspec.Struct, array_like=True):
 
 
 def test_the_array_encoding_is_older_vllms(tiny_model, tmp_path):
-    llm = LLM(model=tiny_model, kv_events_config=config(tmp_path, event_encoding="array"))
+    llm = LLM(model=tiny_model, kv_events_config=config(tmp_path, event_encoding="array", include_token_ids=True))
     try:
         llm.generate([PROMPT], ONE)
         old = events(replay(tmp_path, 0, msgspec.msgpack.Decoder(OldBatch)))
