@@ -1,0 +1,107 @@
+"""Work that tenants queue for one shared thread (KV tier lookups, grammar compiles), served by weight, not by
+arrival (DESIGN.md, invariant 8): a tenant with a backlog delays its own work, not everyone's.
+
+FairQueue orders it by start-time fair queueing: a tenant's next item starts at the tenant's virtual time, which
+each of its items served moves on by 1 / weight, and the earliest start goes first (ties: the tenant that began
+waiting first); FIFO within a tenant. A tenant that was idle starts at the current virtual time, so it banks no
+turns while idle and waits behind no one's backlog: after tenant a queues 100 items and then b one, b's is served
+second. A tenant's weight is its cache share (shares.py `guarantees`; tenants without one split what the shares
+leave, equally), so while two tenants have work, the one with twice the share gets twice the turns. One tenant may
+have `bound` items waiting; past it, put() refuses and its caller says what that means.
+"""
+import threading
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Generic, TypeVar
+
+from prefixcache.cache.shares import guarantees
+
+T = TypeVar("T")
+MIN_WEIGHT = 0.01  # a tenant the shares leave nothing still gets a turn in a hundred, never none
+
+
+class FairQueue(Generic[T]):
+    def __init__(self, bound: int):
+        assert bound > 0
+        self.bound = bound  # items one tenant may have waiting
+        self.queues: dict[str, deque[T]] = {}  # the tenants with items waiting, in the order they began waiting
+        self.start: dict[str, float] = {}  # a tenant's virtual time: when its next item starts
+        self.now = 0.0  # the start of the item served last
+        self.shares: dict[str, float] = {}
+        self.closed = False
+        self.cond = threading.Condition()
+
+    def put(self, tenant: str, item: T) -> bool:
+        """Queue an item of a tenant's; False, and nothing queued, if the tenant has `bound` waiting."""
+        with self.cond:
+            q = self.queues.setdefault(tenant, deque())
+            if len(q) >= self.bound:
+                return False
+            if not q:
+                self.start[tenant] = max(self.start.get(tenant, self.now), self.now)
+            q.append(item)
+            self.cond.notify()
+            return True
+
+    def get(self) -> T | None:
+        """The next item, waiting for one; None once closed and empty."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.queues or self.closed)
+            if not self.queues:
+                return None
+            tenant = min(self.queues, key=self.start.__getitem__)
+            weight = guarantees(Counter(self.queues), self.shares, 1)[tenant]
+            self.now = self.start[tenant]
+            self.start[tenant] += 1 / max(weight, MIN_WEIGHT)
+            q = self.queues[tenant]
+            item = q.popleft()
+            if not q:
+                del self.queues[tenant]
+            # an idle tenant the virtual time has caught up with would start at `now` anyway: forget it
+            self.start = {t: s for t, s in self.start.items() if t in self.queues or s > self.now}
+            return item
+
+    def set_shares(self, shares: dict[str, float]) -> None:
+        """The tenants' weights: fractions summing to at most 1, as CacheAdmin.set_shares takes them."""
+        with self.cond:
+            self.shares = dict(shares)
+
+    def close(self) -> None:
+        """get() gives what is queued, then None."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class FairThread:
+    """One thread running the jobs tenants submit, in a FairQueue's order; a job's result comes back as a Future."""
+
+    def __init__(self, name: str, bound: int, initializer: Callable[[], None] | None = None):
+        self.jobs: FairQueue[tuple[Future, Callable[[], object]]] = FairQueue(bound)
+        self.thread = threading.Thread(target=self._run, args=(initializer,), name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, tenant: str, fn: Callable[..., T], *args, **kwargs) -> Future | None:
+        """fn(*args, **kwargs) on the thread, as a Future; None if the tenant has `bound` jobs waiting."""
+        future: Future = Future()
+        return future if self.jobs.put(tenant, (future, lambda: fn(*args, **kwargs))) else None
+
+    def set_shares(self, shares: dict[str, float]) -> None:
+        self.jobs.set_shares(shares)
+
+    def shutdown(self) -> None:
+        """Run the jobs queued, then stop."""
+        self.jobs.close()
+        self.thread.join()
+
+    def _run(self, initializer: Callable[[], None] | None) -> None:
+        if initializer:
+            initializer()
+        while (job := self.jobs.get()) is not None:
+            future, work = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(work())
+                except Exception as e:  # the job's caller gets it from the future
+                    future.set_exception(e)
