@@ -73,7 +73,7 @@ class LedgerTiers:
         if spill is not None and self.l2:
             self._put(self.l2, owner, key, self.sizes["L2"], ttl)
 
-    def fetch(self, wanted: list[Wanted]) -> Future:
+    def fetch(self, wanted: list[Wanted], tenant: str) -> Future:
         found: list[Found] = []
         for tier, ledger in (("L2", self.l2), ("L3", self.l3)):
             if ledger is None:
@@ -85,6 +85,9 @@ class LedgerTiers:
         done: Future = Future()
         done.set_result(found)
         return done
+
+    def set_shares(self, shares: dict[str, float]) -> None:
+        pass  # lookups are answered at once: no queue to share
 
     def purge(self, owner: str | None) -> None:
         pass  # purges and pins come from the admin API, which a replayed log does not call

@@ -2,7 +2,9 @@
 
 The engine thread never waits here on a disk or the network: it hands copies of blocks to a writer thread through
 a bounded queue (a full queue drops the write and counts it), and lookups run on a reader thread and come back as
-futures, which the scheduler polls.
+futures, which the scheduler polls. The reader takes lookups by tenant, by weight (fair.py), so a tenant replaying
+many spilled prompts queues behind its own lookups only; past LOOKUPS waiting, a tenant's lookup is skipped (its
+request recomputes those blocks: a miss, counted as lookup_skipped).
 
 - A full block published to L1 is written through to L3 (so other replicas can load it) and announced.
 - A full block evicted from L1 for room spills to L2.
@@ -19,7 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,7 @@ import xxhash
 
 from prefixcache.cache.disk import DiskTier
 from prefixcache.cache.events import KVEvents
+from prefixcache.cache.fair import FairThread
 from prefixcache.cache.record import BadRecord, Record, decode, encode
 from prefixcache.cache.remote import RedisTier
 
@@ -34,6 +37,9 @@ log = logging.getLogger("prefixcache.tiers")
 
 WINDOW = 8  # blocks per L3 round trip (MGET): 8 read at ~960 MB/s here, 32 at ~790
 QUEUE = 256  # writes waiting for the writer thread
+# lookups one tenant may have waiting (each holds its chain's keys and tokens): over 3x the requests the server lets
+# in at all by default (max_num_seqs + max_queue, 80), so only an offline batch reaches it
+LOOKUPS = 256
 
 
 Copy = Callable[[], Record]  # copies a block out of the pool, called on the engine thread only when a tier keeps it
@@ -66,7 +72,7 @@ class Tiers:
         self.counts: Counter[str] = Counter()  # "<tier>_<what>": hits, misses, bad, bytes_read, read_seconds...
         self.counts_lock = threading.Lock()  # three threads count
         self.jobs: queue.Queue = queue.Queue(QUEUE)
-        self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-read")
+        self.reader = FairThread("kv-tier-read", LOOKUPS)
         self.writer = threading.Thread(target=self._write_loop, name="kv-tier-write", daemon=True)
         self.writer.start()
         if events and disk:
@@ -91,10 +97,19 @@ class Tiers:
         if spill is not None and self.disk:
             self._queue(("L2", owner, key, spill(), ttl))
 
-    def fetch(self, wanted: list[Wanted]) -> Future:
-        """Look up the blocks of a chain, in order; the future gives the Found ones up to the first miss (or the
-        first failure: a tier's fault is a miss)."""
-        return self.reader.submit(self._fetch, wanted)
+    def fetch(self, wanted: list[Wanted], tenant: str) -> Future:
+        """Look up the blocks of a chain for a tenant's request, in order; the future gives the Found ones up to the
+        first miss (or the first failure: a tier's fault is a miss; a lookup over the tenant's LOOKUPS finds none)."""
+        future = self.reader.submit(tenant, self._fetch, wanted)
+        if future is None:
+            self._count("lookup", "skipped")
+            future = Future()
+            future.set_result([])
+        return future
+
+    def set_shares(self, shares: dict[str, float]) -> None:
+        """The tenants' weights in the lookup queue: their cache shares."""
+        self.reader.set_shares(shares)
 
     def purge(self, owner: str | None) -> None:
         """Drop one owner's blocks from every tier (None: everyone's), after the writes queued before it."""

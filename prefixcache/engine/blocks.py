@@ -205,8 +205,11 @@ class BlockManager:
         return len(nodes) * self.bs
 
     def set_shares(self, shares: dict[str, float]) -> None:
-        """Guaranteed fractions of the pool by tenant: eviction takes from the tenant furthest over its share."""
+        """Guaranteed fractions of the pool by tenant: eviction takes from the tenant furthest over its share; they
+        weigh the tenants' tier lookups too."""
         self.cache.set_shares(shares, group=lambda owner: owner[0])  # owners are (tenant, labels)
+        if self.tiering:
+            self.tiering.set_shares(shares)
 
     def close(self) -> None:
         """Finish the tiers' queued writes and stop their threads."""

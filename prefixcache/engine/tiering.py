@@ -62,7 +62,9 @@ class Below(Protocol):
 
     def removed(self, owner: str, key: str, spill: Copy | None, ttl: float | None) -> None: ...
 
-    def fetch(self, wanted: list[Wanted]) -> Future: ...
+    def fetch(self, wanted: list[Wanted], tenant: str) -> Future: ...
+
+    def set_shares(self, shares: dict[str, float]) -> None: ...
 
     def purge(self, owner: str | None) -> None: ...
 
@@ -103,7 +105,7 @@ class Tiering:
         wanted = [Wanted(self._owner_of(seq, j), c.keys[j].hex(), tuple(seq.tokens[j * self.bs:(j + 1) * self.bs]))
                   for j in range(first, (len(seq.tokens) - 1) // self.bs)]
         if wanted:
-            c.fetch, c.fetch_from = self.tiers.fetch(wanted), first
+            c.fetch, c.fetch_from = self.tiers.fetch(wanted, seq.scope.tenant), first
 
     def ready(self, seq: Sequence) -> bool:
         """False while the request's lookup runs; once it is done, load what it found (once) and say True."""
@@ -115,6 +117,9 @@ class Tiering:
         found, c.fetch = c.fetch.result(), None
         self._load(seq, c.fetch_from, found)
         return True
+
+    def set_shares(self, shares: dict[str, float]) -> None:
+        self.tiers.set_shares(shares)
 
     def purge(self, owner) -> None:
         self.tiers.purge(owner_id(owner) if owner is not None else None)

@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import struct
+import threading
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from prefixcache.cache.record import BadRecord, Record, decode, encode
 from prefixcache.cache.remote import PREFIX
 from prefixcache.cache.scope import CacheScope
 from prefixcache.cache.tiers import owner_id
+from prefixcache.engine.engine import Engine
 
 PROMPT = list(range(1000, 1300))  # 18 full blocks and a partial one
 SMALL_POOL = 2**20  # 128 blocks of the tiny model: a few prompts evict each other
@@ -369,3 +371,66 @@ def test_a_preempted_requests_tier_counts_stay_those_of_its_first_admission(tiny
     assert sum(seq.cache.tier_tokens.values()) == 0 and seq.output().cached_by_tier == first
     assert seq.output().token_ids == cold[0][0].token_ids
     assert e.stats()["tiers"]["counts"]["L2_hits"] > 0  # it did come back from L2
+
+
+def held_lookups(engine: Engine, monkeypatch) -> tuple[threading.Event, threading.Event, list[str]]:
+    """Hold the tier reader in the first lookup it takes until released; the tenants of the lookups run, in order."""
+    tiers, names = engine.blocks.tiering.tiers, {owner_id((t, ())): t for t in "ab"}
+    entered, release, order = threading.Event(), threading.Event(), []
+    fetch = tiers._fetch
+
+    def held(wanted):
+        order.append(names[wanted[0].owner])
+        entered.set()
+        release.wait()
+        return fetch(wanted)
+
+    monkeypatch.setattr(tiers, "_fetch", held)
+    return entered, release, order
+
+
+def queue_lookups(engine: Engine, entered: threading.Event, tenants: str) -> list:
+    """A request of tenant a, whose lookup the held reader takes; then one request each of `tenants`, queued."""
+    prompts = iter([list(range(2000 + 100 * i, 2064 + 100 * i)) for i in range(len(tenants) + 1)])
+    seqs = [engine.add_request(next(prompts), GREEDY, CacheScope(tenant="a"))]
+    assert entered.wait(10)
+    return seqs + [engine.add_request(next(prompts), GREEDY, CacheScope(tenant=t)) for t in tenants]
+
+
+def finish(engine: Engine, seqs: list) -> None:
+    while engine.has_unfinished():
+        engine.step()
+    assert all(s.fault is None and len(s.output_ids) == GREEDY.max_tokens for s in seqs)
+
+
+def test_a_tenants_lookup_is_not_queued_behind_another_tenants_backlog(tiny_model, redis_proc, monkeypatch):
+    """Tenant a has eight lookups in L3 queued when b's one arrives: b's runs right after the one under way."""
+    e = llm(tiny_model, redis_url=redis_proc.url).engine
+    entered, release, order = held_lookups(e, monkeypatch)
+    seqs = queue_lookups(e, entered, "a" * 7 + "b")
+    release.set()
+    finish(e, seqs)
+    assert order == ["a", "b"] + ["a"] * 7
+
+
+def test_tier_lookups_take_turns_by_cache_share(tiny_model, redis_proc, monkeypatch):
+    """With 90% of the shares, b's three lookups all run before a's second; without shares they alternate."""
+    for shares, expected in (({"b": 0.9}, "abbbaaa"), ({}, "ababab")):
+        e = llm(tiny_model, redis_url=redis_proc.url).engine
+        e.cache.set_shares(shares)
+        entered, release, order = held_lookups(e, monkeypatch)
+        seqs = queue_lookups(e, entered, "aaabbb")
+        release.set()
+        finish(e, seqs)
+        assert "".join(order).startswith(expected)
+
+
+def test_a_lookup_over_the_tenants_bound_is_skipped_and_its_request_recomputes(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr("prefixcache.cache.tiers.LOOKUPS", 2)
+    e = llm(tiny_model, disk_cache=str(tmp_path)).engine
+    entered, release, order = held_lookups(e, monkeypatch)
+    seqs = queue_lookups(e, entered, "aaab")  # a's third queued lookup is one over its bound; b has room
+    assert seqs[3].cache.fetch.done() and e.stats()["tiers"]["counts"]["lookup_skipped"] == 1
+    release.set()
+    finish(e, seqs)
+    assert order == ["a", "b", "a", "a"]
