@@ -2,11 +2,31 @@
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+import msgspec
 import xxhash
 
 SHARED_TENANT = "*shared*"
 LOCAL_TENANT = "local"  # the one tenant of a server without API keys
 PUBLIC_OWNERS = {(SHARED_TENANT, ()), (LOCAL_TENANT, ())}  # owners whose entries any request of the server may read
+MAX_LABELS = 16  # distinct labels of one API key or identity token
+MAX_LABEL_LENGTH = 128  # characters of one label
+
+
+def validate_labels(labels) -> tuple[str, ...]:
+    """Labels as a scope holds them (distinct, sorted). A ValueError says what is wrong: not a list of non-empty
+    strings, more than MAX_LABELS, one longer than MAX_LABEL_LENGTH, or one with a character that is not printable
+    (a control character, a line break, an invisible one)."""
+    if not isinstance(labels, (list, tuple)) or not all(isinstance(x, str) and x for x in labels):
+        raise ValueError(f"labels must be a list of non-empty strings, got {labels!r}")
+    distinct = sorted(set(labels))
+    if len(distinct) > MAX_LABELS:
+        raise ValueError(f"{len(distinct)} labels, at most {MAX_LABELS}")
+    for label in distinct:
+        if len(label) > MAX_LABEL_LENGTH:
+            raise ValueError(f"label {label[:32]!r}... has {len(label)} characters, at most {MAX_LABEL_LENGTH}")
+        if not label.isprintable():
+            raise ValueError(f"label {label!r} has a control or other non-printable character")
+    return tuple(distinct)
 
 
 @dataclass(frozen=True)
@@ -24,9 +44,10 @@ class CacheScope:
 
     @cached_property
     def key(self) -> bytes:
-        fields = (self.tenant, ",".join(self.labels), self.fingerprint, self.adapter, self.tool_config, self.policy,
-                  self.salt)
-        return xxhash.xxh3_128_digest("\x1f".join(f"{len(f)}:{f}" for f in fields).encode())
+        """The hash of every field in msgpack, where each string and the labels' array carry their lengths: no two
+        scopes encode alike, whatever characters their fields hold."""
+        return xxhash.xxh3_128_digest(msgspec.msgpack.encode((self.tenant, self.labels, self.fingerprint, self.adapter,
+                                                               self.tool_config, self.policy, self.salt)))
 
     @property
     def owner(self) -> tuple[str, tuple[str, ...]]:

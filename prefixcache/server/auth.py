@@ -10,7 +10,7 @@ import hmac
 import json
 import logging
 
-from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT
+from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT, validate_labels
 from prefixcache.server.errors import ApiError
 from prefixcache.server.oidc import OidcVerifier
 from prefixcache.server.principal import LOCAL, Principal
@@ -70,8 +70,8 @@ def authenticate(keys: Keys | None, headers, oidc: OidcVerifier | None = None) -
 def _read(path: str) -> list[tuple[bytes, Principal]]:
     with open(path) as f:
         raw = json.load(f)
-    entries = [(_digest(key), Principal(v["tenant"], tuple(sorted(v.get("labels", []))), bool(v.get("admin", False)),
-                                        v.get("rpm"), v.get("tpm"), v.get("cache_share"))) for key, v in raw.items()]
+    entries = [(_digest(key), Principal(v["tenant"], _labels(path, v), bool(v.get("admin", False)), v.get("rpm"),
+                                        v.get("tpm"), v.get("cache_share"))) for key, v in raw.items()]
     reserved = {p.tenant for _, p in entries} & {LOCAL_TENANT, SHARED_TENANT}
     if reserved:
         raise ValueError(f"{path}: the tenant names {LOCAL_TENANT!r} and {SHARED_TENANT!r} are reserved "
@@ -80,6 +80,13 @@ def _read(path: str) -> list[tuple[bytes, Principal]]:
     if not all(0 < s <= 1 for s in shares.values()) or sum(shares.values()) > 1:
         raise ValueError(f"{path}: cache_share must be in (0, 1] and add up to at most 1 over tenants")
     return entries
+
+
+def _labels(path: str, entry: dict) -> tuple[str, ...]:
+    try:
+        return validate_labels(entry.get("labels", []))
+    except ValueError as e:  # named by its tenant: no key is ever logged
+        raise ValueError(f"{path}: a key of tenant {entry['tenant']!r}: {e}") from None
 
 
 def _shares(entries: list[tuple[bytes, Principal]]) -> dict[str, float]:

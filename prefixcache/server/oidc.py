@@ -13,8 +13,11 @@ HMAC keyed by a public key), issuer, audience, expiry and not-before (with `leew
 looked up by `kid`; a URL's key set is cached (`jwks_cache_seconds`) and fetched again for a `kid` it does not hold
 (the provider rotated its keys; at most every `jwks_refetch_seconds`), a file's is read again when it changes.
 The tenant is the tenant claim, the labels the label claims' values (through `labels` when given); they form the
-cache scope exactly as a keys file's do. API keys work beside tokens. A bad config fails startup with the key that
-is wrong.
+cache scope exactly as a keys file's do. A token whose labels a scope cannot hold (more than MAX_LABELS, one longer
+than MAX_LABEL_LENGTH or not printable: cache/scope.py) is refused with a 401 saying so, never served with some of
+its labels dropped or cut: a smaller label set is another scope, one that other users' entries live in, and whose
+purge is theirs. A provider that sends many groups needs `labels` to map the ones that matter. API keys work beside
+tokens. A bad config fails startup with the key that is wrong.
 """
 import json
 import os
@@ -25,7 +28,7 @@ from urllib.parse import urlparse
 
 import jwt
 
-from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT
+from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT, validate_labels
 from prefixcache.server.errors import ApiError
 from prefixcache.server.principal import Principal
 
@@ -78,6 +81,11 @@ class OidcConfig:
         if "labels" in raw and not (isinstance(raw["labels"], dict) and all(
                 isinstance(k, str) and isinstance(v, str) and v for k, v in raw["labels"].items())):
             raise bad("labels", "an object of claim values to label names")
+        for label in raw.get("labels", {}).values():
+            try:
+                validate_labels([label])
+            except ValueError as e:
+                raise ValueError(f"{path}: labels: {e}") from None
         for key in ("leeway_seconds", "jwks_cache_seconds", "jwks_refetch_seconds"):
             if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], (int, float)) or raw[key] < 0):
                 raise bad(key, "a number of seconds, 0 or more")
@@ -127,8 +135,11 @@ class OidcVerifier:
         tenant = claims.get(self.cfg.tenant_claim)
         if not isinstance(tenant, str) or not tenant or tenant in (LOCAL_TENANT, SHARED_TENANT):
             raise refused(f"the token has no usable {self.cfg.tenant_claim!r} claim")
-        labels = self._labels(claims)
-        return Principal(tenant, tuple(sorted(labels)), admin=self.cfg.admin_label in labels)
+        try:
+            labels = validate_labels(list(self._labels(claims)))
+        except ValueError as e:
+            raise refused(f"the token's labels cannot form a cache scope: {e}") from None
+        return Principal(tenant, labels, admin=self.cfg.admin_label in labels)
 
     def _labels(self, claims: dict) -> set[str]:
         values = []
