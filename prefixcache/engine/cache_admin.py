@@ -44,6 +44,7 @@ class CacheAdmin:
         """Guaranteed fractions of the KV pool by tenant (summing to at most 1): eviction takes from the tenant
         furthest over its share first; tenants without one split the rest equally."""
         self.blocks.set_shares(shares)
+        self.grammars.set_shares(shares)
 
     def usage(self, top: int = 10) -> dict:
         """For the operator: each tenant's cached blocks and recent engine use (tokens computed, fading over

@@ -7,25 +7,29 @@ Each scope has an xgrammar compiler of its own, whose cache holds at most MAX_GR
 speeds up a single compile, 8x on a schema that repeats a sub-schema, so it stays on); an owner (tenant and labels)
 keeps MAX_SCOPES of them, least recently used out first, so no tenant can evict another's. Compiling runs on a
 thread of its own at a low priority (xgrammar releases the GIL), while the engine serves everyone else; the request
-waits for it the way it waits for a tier lookup. Masking changes only which token is sampled, never a logit the
-model computed, so warm == cold holds for guided requests too.
+waits for it the way it waits for a tier lookup. The thread takes the tenants' guides by weight (cache/fair.py), so
+one tenant's many new schemas delay its own requests only; a tenant with COMPILES guides waiting has its next
+guided request refused (a ValueError: a 400). Masking changes only which token is sampled, never a logit the model
+computed, so warm == cold holds for guided requests too.
 """
 import json
 import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import xgrammar as xgr
 
+from prefixcache.cache.fair import FairThread
 from prefixcache.cache.scope import CacheScope
 
 KINDS = ("json_object", "json_schema", "regex", "choice")
 MAX_SCOPES = 4  # scopes (salts) of one owner with compiled grammars kept
 MAX_GRAMMAR_BYTES = 64 << 20  # compiled grammars kept per scope (a 300-field schema compiles to about 22 MB)
+COMPILES = 64  # guides one tenant may have waiting to compile (a new 300-field schema takes 2-12 s)
 # The grammar thread's niceness. Measured (bench/features.py, SmolLM2 decoding on 2 threads of an AMD EPYC, AVX2,
 # 2 cores, while a new 300-field schema compiles): at 0 the decode's median gap rose from about 0.08 s to 0.27 s
 # and the schema took 2 s; at 5, 0.11 s and 5 s; at 10, 0.08 s and 10-12 s (a second with the engine idle).
@@ -48,21 +52,29 @@ class Grammars:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
         self.vocab_size = vocab_size
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="grammar", initializer=_low_priority)
-        # the tokenizer's tables take a moment: built at once, before any request can wait for them
-        self.info = self.thread.submit(xgr.TokenizerInfo.from_huggingface, tokenizer, vocab_size=vocab_size,
+        self.thread = FairThread("grammar", COMPILES, initializer=_low_priority)
+        # the tokenizer's tables take a moment: built at once (tenant "": the engine's), before any request waits
+        self.info = self.thread.submit("", xgr.TokenizerInfo.from_huggingface, tokenizer, vocab_size=vocab_size,
                                        stop_token_ids=list(stop_token_ids))
         self.scopes: dict[tuple, OrderedDict[bytes, _Compiler]] = {}  # owner -> scope key -> its compiler
 
     def compile(self, scope: CacheScope, guide: Guide) -> Future:
         """The compiled grammar of a guide for a request of this scope, as a future (soon done if the scope
-        compiled it before). It raises ValueError if the schema or regex does not compile."""
+        compiled it before), which raises ValueError if the schema or regex does not compile. Raises ValueError if
+        the scope's tenant has COMPILES guides waiting already."""
         scopes = self.scopes.setdefault(scope.owner, OrderedDict())
         compiler = scopes.setdefault(scope.key, _Compiler())
         scopes.move_to_end(scope.key)
         while len(scopes) > MAX_SCOPES:
             scopes.popitem(last=False)
-        return self.thread.submit(self._compile, compiler, guide)
+        future = self.thread.submit(scope.tenant, self._compile, compiler, guide)
+        if future is None:
+            raise ValueError(f"{COMPILES} guides of this tenant are waiting to compile; retry when they are done")
+        return future
+
+    def set_shares(self, shares: dict[str, float]) -> None:
+        """The tenants' weights on the grammar thread: their cache shares."""
+        self.thread.set_shares(shares)
 
     def matcher(self, grammar: xgr.CompiledGrammar) -> "Matcher":
         return Matcher(xgr.GrammarMatcher(grammar), self.vocab_size)

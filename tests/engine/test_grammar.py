@@ -1,12 +1,16 @@
-"""Guides compile with xgrammar and mask exactly the tokens their grammar forbids."""
+"""Guides compile with xgrammar and mask exactly the tokens their grammar forbids; the grammar thread takes the
+tenants' guides by weight, and a tenant's waiting guides are bounded."""
 import json
+import threading
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from prefixcache import LLM, SamplingParams
 from prefixcache.cache.scope import CacheScope
 from prefixcache.config import default_model_path
+from prefixcache.engine.engine import Engine
 from prefixcache.engine.grammar import Grammars, Guide
 from prefixcache.models.loader import converted_folder
 from prefixcache.prompt import call_schema, tool_calls
@@ -85,10 +89,78 @@ def test_a_forced_tool_call_is_one_the_renderer_reads_back(grammars):
 
 
 def test_a_finished_grammar_finishes_the_request_even_with_ignore_eos(tiny_model):
-    from prefixcache import LLM, SamplingParams
-
     llm = LLM(model=tiny_model)
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=200, ignore_eos=True,
                             guide=Guide("choice", json.dumps(["yes", "no"])))
     outs = llm.generate([[5, 6, 7], [8, 9]], params)  # batched with each other
     assert [(o.text in ("yes", "no"), o.finish_reason) for o in outs] == [(True, "stop")] * 2
+
+
+def held_compiles(engine: Engine, monkeypatch) -> tuple[threading.Event, threading.Event, list[str]]:
+    """Hold the grammar thread in the first guide it takes until released; the guides compiled, in order."""
+    g = engine.grammars
+    entered, release, order = threading.Event(), threading.Event(), []
+    compile_ = g._compile
+
+    def held(slot, guide: Guide):
+        order.append(guide.spec)
+        entered.set()
+        release.wait()
+        return compile_(slot, guide)
+
+    monkeypatch.setattr(g, "_compile", held)
+    return entered, release, order
+
+
+def guided(engine: Engine, tenant: str, spec: str):
+    """A request of the tenant whose output must be the text `spec` (a regex of letters and digits)."""
+    return engine.add_request([5, 6, 7], SamplingParams(max_tokens=16, guide=Guide("regex", spec)),
+                              CacheScope(tenant=tenant))
+
+
+def finish(engine: Engine, seqs: list) -> None:
+    while engine.has_unfinished():
+        engine.step()
+    assert all(s.fault is None and s.finish_reason == "stop" for s in seqs)
+
+
+def test_a_tenants_guide_is_not_compiled_behind_another_tenants_backlog(tiny_model, monkeypatch):
+    """Tenant a has eight new guides waiting when b's one arrives: b's compiles right after the one under way."""
+    e = LLM(model=tiny_model).engine
+    entered, release, order = held_compiles(e, monkeypatch)
+    seqs = [guided(e, "a", "a0")]
+    assert entered.wait(30)
+    seqs += [guided(e, "a", f"a{i}") for i in range(1, 8)] + [guided(e, "b", "b0")]
+    release.set()
+    finish(e, seqs)
+    assert order == ["a0", "b0"] + [f"a{i}" for i in range(1, 8)]
+
+
+def test_guides_take_turns_by_cache_share(tiny_model, monkeypatch):
+    """With 90% of the shares, b's three guides all compile before a's second; without shares they alternate."""
+    for shares, expected in (({"b": 0.9}, ["a0", "b1", "b2", "b3", "a1"]), ({}, ["a0", "b1", "a1", "b2", "a2"])):
+        e = LLM(model=tiny_model).engine
+        e.cache.set_shares(shares)
+        entered, release, order = held_compiles(e, monkeypatch)
+        seqs = [guided(e, "a", "a0")]
+        assert entered.wait(30)
+        seqs += [guided(e, "a", f"a{i}") for i in range(1, 4)] + [guided(e, "b", f"b{i}") for i in range(1, 4)]
+        release.set()
+        finish(e, seqs)
+        assert order[:5] == expected
+
+
+def test_a_tenant_with_too_many_guides_waiting_is_refused_and_others_are_not(tiny_model, monkeypatch):
+    monkeypatch.setattr("prefixcache.engine.grammar.COMPILES", 2)
+    e = LLM(model=tiny_model).engine
+    entered, release, order = held_compiles(e, monkeypatch)
+    seqs = [guided(e, "a", "a0")]
+    assert entered.wait(30)
+    seqs += [guided(e, "a", "a1"), guided(e, "a", "a2")]
+    with pytest.raises(ValueError, match="2 guides of this tenant are waiting to compile"):
+        guided(e, "a", "a3")
+    seqs.append(guided(e, "b", "b0"))
+    release.set()
+    finish(e, seqs)
+    assert order == ["a0", "b0", "a1", "a2"]
+    assert [s.output().text for s in seqs] == ["a0", "a1", "a2", "b0"]
