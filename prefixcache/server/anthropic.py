@@ -7,7 +7,7 @@ marks the last content block of the last message. The request is rendered by pre
 """
 import json
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -17,6 +17,7 @@ from prefixcache.cache.policy import Breakpoint
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import Prompt, fields, render
 from prefixcache.server.auth import client_salt
+from prefixcache.server.caps import MAX_MESSAGES, MAX_METADATA, MAX_PARTS, MAX_STOP_SEQUENCES, MAX_TOOLS, Word, capped
 from prefixcache.server.errors import ApiError, Strict
 from prefixcache.server.generation import Generation
 from prefixcache.server.principal import Principal
@@ -43,7 +44,7 @@ class Block(Strict):
     name: str | None = None  # tool_use
     input: Any = None  # tool_use
     tool_use_id: str | None = None  # tool_result; ignored, as id
-    content: str | list["Block"] | None = None  # tool_result
+    content: str | capped("Block", MAX_PARTS) | None = None  # tool_result
     is_error: Literal[False] | None = None  # tool_result: an error result would need its own rendering
     cache_control: CacheControl | None = None
 
@@ -56,7 +57,7 @@ class Block(Strict):
 
 class Message(Strict):
     role: Literal["user", "assistant"]
-    content: str | list[Block] = Field(min_length=1)
+    content: str | capped(Block, MAX_PARTS) = Field(min_length=1)
 
 
 class Tool(Strict):
@@ -82,16 +83,16 @@ class ToolChoice(Strict):
 class MessagesRequest(Strict):
     model: str
     max_tokens: int = Field(ge=1)
-    messages: list[Message] = Field(min_length=1)
-    system: str | list[Block] | None = None
-    tools: list[Tool] | None = None
+    messages: capped(Message, MAX_MESSAGES, 1)
+    system: str | capped(Block, MAX_PARTS) | None = None
+    tools: capped(Tool, MAX_TOOLS) | None = None
     tool_choice: ToolChoice | None = None
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
-    stop_sequences: list[str] | None = None
+    stop_sequences: capped(Word, MAX_STOP_SEQUENCES) | None = None
     stream: bool | None = False
-    metadata: dict[str, Any] | None = None  # informational
+    metadata: Annotated[dict[str, Any], Field(max_length=MAX_METADATA)] | None = None  # informational
     service_tier: str | None = None  # informational: one tier here
     cache_control: CacheControl | None = None
     cache_salt: str | None = None

@@ -4,20 +4,24 @@ import re
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from prefixcache.server.caps import MAX_STRING
+
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                    500: "api_error", 503: "api_error", 529: "overloaded_error"}
 OPENAI_TYPES = {401: "authentication_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 500: "server_error", 503: "server_error"}
 
-UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[|^[A-Z]")  # pydantic's loc entries for union members
+# pydantic's loc entries for union members
+UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|^constrained-|\[|^[A-Z]")
 
 
 class Strict(BaseModel):
     """Request models refuse fields they do not declare: a field that would change the answer and is not
-    implemented must be a 400 naming it, never silently ignored. Informational fields are declared (and ignored)."""
+    implemented must be a 400 naming it, never silently ignored. Informational fields are declared (and ignored).
+    No string may be longer than MAX_STRING (server/caps.py)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", str_max_length=MAX_STRING)
 
 
 class ApiError(Exception):
@@ -47,7 +51,8 @@ def invalid(errors: list[dict]) -> ApiError:
     first bad field."""
     if any(e["type"] == "json_invalid" for e in errors):
         return ApiError(400, "request body is not valid JSON")
-    err = max(errors, key=lambda x: len(x["loc"]))  # in a union, the branch that got furthest
+    # in a union, the branch that got furthest, and one whose value had the right type (its error is the point)
+    err = max(errors, key=lambda x: (len(x["loc"]), not x["type"].endswith("_type")))
     param = ".".join(str(p) for p in err["loc"][1:] if not UNION_TAG.search(str(p)))  # loc[0] is "body"
     if not param:
         return ApiError(400, f"request body: {err['msg']}")

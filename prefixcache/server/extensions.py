@@ -5,6 +5,7 @@ import json
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from prefixcache.server.caps import MAX_BAD_WORDS, MAX_CHOICES, MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS, Word, capped
 from prefixcache.server.errors import ApiError, Strict
 
 ONE_VALUE = {  # accepted at the one value that needs nothing we lack
@@ -20,19 +21,19 @@ class StructuredOutputs(Strict):
     """vLLM's structured_outputs: one of its guides (grammar and structural_tag are refused: unknown fields)."""
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = Field(None, min_length=1)
+    choice: capped(Word, MAX_CHOICES, 1) | None = None
     json_object: bool | None = None
 
 
 class Extensions(Strict):
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int | None = Field(None, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: capped(int, MAX_STOP_TOKEN_IDS) | None = None
     ignore_eos: bool | None = None
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
     min_p: float | None = Field(None, ge=0, le=1)
-    allowed_token_ids: list[int] | None = Field(None, min_length=1)
-    bad_words: list[str] | None = None
+    allowed_token_ids: capped(int, MAX_TOKEN_IDS, 1) | None = None
+    bad_words: capped(Word, MAX_BAD_WORDS) | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     add_special_tokens: bool | None = None
@@ -47,7 +48,7 @@ class Extensions(Strict):
     watermarking: bool | None = None
     spaces_between_special_tokens: bool | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_choice: capped(Word, MAX_CHOICES, 1) | None = None
     guided_json: dict | str | None = None  # older vLLM's: a JSON schema
     structured_outputs: StructuredOutputs | None = None
     # SGLang's, which its gateway (and vllm-router, its fork) adds to every request at these defaults

@@ -35,6 +35,7 @@ async def completions(request: Request, body: CompletionRequest, caller: Princip
 async def complete(request: Request, req: Common, caller: Principal, chat: bool):
     server = current(request)
     server.check_model(req.model)
+    req.check_samples(server.engine.config.max_num_seqs)
     rendered = req.rendered(server.tokenizer) if chat else None
     prompt = rendered.token_ids if rendered else completion_prompt(server.tokenizer, req, server.engine.max_model_len)
     params = req.sampling(server.tokenizer, server.engine.max_model_len)

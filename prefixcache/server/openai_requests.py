@@ -15,12 +15,11 @@ from prefixcache.engine.grammar import Guide
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import Prompt, fields, render
 from prefixcache.server.auth import client_salt
+from prefixcache.server.caps import MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_METADATA, MAX_STOP, MAX_TOOLS, Word, capped
 from prefixcache.server.errors import ApiError
 from prefixcache.server.extensions import Extensions
 from prefixcache.server.openai_types import Message, NamedToolChoice, ResponseFormat, StreamOptions, Tool
 from prefixcache.server.tools import ToolUse
-
-MAX_STOP = 4  # stop sequences, as OpenAI allows
 
 
 class Common(Extensions):
@@ -29,17 +28,18 @@ class Common(Extensions):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop: Word | capped(Word, MAX_STOP) | None = None
     seed: int | None = None
-    n: int | None = Field(None, ge=1)  # at most the engine's max_num_seqs
-    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token ids of the vocabulary
+    n: int | None = Field(None, ge=1)  # at most the engine's max_num_seqs (check_samples)
+    logit_bias: Annotated[dict[int, Annotated[float, Field(ge=-100, le=100)]],  # token ids of the vocabulary
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # informational
     safety_identifier: str | None = None  # informational
-    metadata: dict[str, str] | None = None  # informational
+    metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA)] | None = None  # informational
     service_tier: str | None = None  # informational: one tier here
     store: bool | None = None  # informational: nothing is stored
     response_format: ResponseFormat | None = None
@@ -47,6 +47,14 @@ class Common(Extensions):
     prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     cache_salt: str | None = None
     speculative: bool | None = None  # extension: false opts this request out of speculative decoding
+
+    def check_samples(self, max_num_seqs: int) -> None:
+        """`n` and `best_of` against the engine's running slots (a sample is a sequence), before any work is done."""
+        for name in ("n", "best_of"):
+            value = getattr(self, name, None)
+            if value is not None and value > max_num_seqs:
+                raise ApiError(400, f"{name}: at most {max_num_seqs} (the server's max_num_seqs), got {value}",
+                               param=name)
 
     def sampling(self, tokenizer, max_model_len: int) -> SamplingParams:
         self.refuse_unstreamable()
@@ -97,15 +105,15 @@ class Common(Extensions):
 
 
 class ChatRequest(Common):
-    messages: list[Message] = Field(min_length=1)
-    tools: list[Tool] | None = None
+    messages: capped(Message, MAX_MESSAGES, 1)
+    tools: capped(Tool, MAX_TOOLS) | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # a forced call is one call; with auto, one call per reply line
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool | None = None  # vLLM extension: default true
     continue_final_message: bool | None = None  # vLLM extension: the last message left open, to be continued
-    chat_template_kwargs: dict | None = None  # vLLM extension: passed to the chat template
+    chat_template_kwargs: Annotated[dict, Field(max_length=MAX_METADATA)] | None = None  # vLLM's: to the template
     echo: bool | None = None  # vLLM extension: a final assistant message's text starts the reply
     include_reasoning: bool | None = None  # informational: not a reasoning model
     separate_reasoning: bool | None = None  # SGLang's, informational: not a reasoning model

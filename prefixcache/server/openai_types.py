@@ -3,6 +3,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from prefixcache.server.caps import MAX_PARTS, capped
 from prefixcache.server.errors import Strict
 
 
@@ -45,9 +46,9 @@ class NamedToolChoice(Strict):
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | capped(TextPart, MAX_PARTS) | None = None
     name: str | None = None  # ignored: the chat template has no speaker names
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: capped(ToolCall, MAX_PARTS) | None = None
     tool_call_id: str | None = None  # ignored, as ToolCall.id
 
     @model_validator(mode="after")

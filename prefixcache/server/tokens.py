@@ -57,6 +57,7 @@ async def tokenize(request: Request, req: TokenizeRequest, caller: Principal = D
         except ValidationError as e:
             raise invalid([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
         ids = body.rendered(server.tokenizer).token_ids
+    server.charge(caller, len(ids))
     strs = {"token_strs": server.tokenizer.convert_ids_to_tokens(ids)} if req.return_token_strs else {}
     return {"count": len(ids), "max_model_len": server.engine.max_model_len, "tokens": ids, **strs}
 
@@ -75,7 +76,9 @@ async def detokenize(request: Request, req: DetokenizeRequest, caller: Principal
 async def render_completion(request: Request, req: CompletionRequest, caller: Principal = Depends(principal)):
     server = current(request)
     server.check_model(req.model)
+    req.check_samples(server.engine.config.max_num_seqs)
     prompt = completion_prompt(server.tokenizer, req, server.engine.max_model_len)
+    server.charge(caller, len(prompt))
     return [generate_request(server, req, prompt, "cmpl")]  # vLLM's: one per prompt
 
 
@@ -83,7 +86,10 @@ async def render_completion(request: Request, req: CompletionRequest, caller: Pr
 async def render_chat(request: Request, req: ChatRequest, caller: Principal = Depends(principal)):
     server = current(request)
     server.check_model(req.model)
-    return generate_request(server, req, req.rendered(server.tokenizer).token_ids, "chatcmpl")
+    req.check_samples(server.engine.config.max_num_seqs)
+    prompt = req.rendered(server.tokenizer).token_ids
+    server.charge(caller, len(prompt))
+    return generate_request(server, req, prompt, "chatcmpl")
 
 
 def generate_request(server, req: Common, prompt: list[int], kind: str) -> dict:
