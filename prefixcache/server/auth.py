@@ -1,14 +1,16 @@
 """API keys: each key names a tenant, its labels, and whether it may administer the whole cache.
 
 `--api-keys FILE` is JSON: {"sk-key": {"tenant": "acme", "labels": ["finance"], "admin": false, "rpm": 60,
-"tpm": 100000}, ...}; `rpm` and `tpm` (requests and prompt tokens per minute, server/limits.py) are optional.
-Without a key file the server has one tenant, "local", and no authentication. Keys are held only as SHA-256
-digests and compared in constant time; the file is read again on SIGHUP. No key is ever logged.
+"tpm": 100000}, ...}; `rpm` and `tpm` (requests and prompt tokens per minute, server/limits.py) are optional, and
+a tenant's: the lowest its keys give. Without a key file the server has one tenant, "local", and no authentication.
+Keys are held only as SHA-256 digests and compared in constant time; the file is read again on SIGHUP. No key is
+ever logged.
 """
 import hashlib
 import hmac
 import json
 import logging
+from dataclasses import replace
 
 from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT, validate_labels
 from prefixcache.server.errors import ApiError
@@ -21,7 +23,7 @@ log = logging.getLogger("prefixcache.auth")
 class Keys:
     def __init__(self, path: str):
         self.path = path
-        self.entries = _read(path)
+        self.entries = _per_tenant(_read(path))
 
     def lookup(self, key: str) -> Principal | None:
         """The key's principal. Every stored digest is compared, in constant time, so the time taken tells
@@ -39,7 +41,7 @@ class Keys:
     def reload(self) -> None:
         """Read the file again (on SIGHUP); a file that does not parse leaves the current keys in force."""
         try:
-            self.entries = _read(self.path)
+            self.entries = _per_tenant(_read(self.path))
         except (OSError, ValueError, KeyError) as e:
             log.error("API keys not reloaded from %s: %s", self.path, type(e).__name__)
             return
@@ -96,6 +98,17 @@ def _shares(entries: list[tuple[bytes, Principal]]) -> dict[str, float]:
         if p.cache_share is not None:
             shares[p.tenant] = max(shares.get(p.tenant, 0.0), float(p.cache_share))
     return shares
+
+
+def _per_tenant(entries: list[tuple[bytes, Principal]]) -> list[tuple[bytes, Principal]]:
+    """Rate limits are a tenant's, not a key's: each key of a tenant gets the lowest `rpm` and `tpm` that any of the
+    tenant's keys sets (a key without one is limited by its tenant's others)."""
+    lowest: dict[tuple[str, str], float] = {}
+    for _, p in entries:
+        for kind in ("rpm", "tpm"):
+            if (limit := getattr(p, kind)) is not None:
+                lowest[p.tenant, kind] = min(limit, lowest.get((p.tenant, kind), limit))
+    return [(d, replace(p, rpm=lowest.get((p.tenant, "rpm")), tpm=lowest.get((p.tenant, "tpm")))) for d, p in entries]
 
 
 def _digest(key: str) -> bytes:

@@ -1,9 +1,12 @@
-"""Per-tenant rate limits: requests and prompt tokens per minute, from the API key's entry (`rpm`, `tpm`).
+"""Per-tenant rate limits: requests and prompt tokens per minute (`rpm`, `tpm`), a tenant's whatever key or
+identity token it comes with (server/auth.py and server/oidc.py resolve them per tenant).
 
-Each limit is a token bucket that holds a minute's worth and refills continuously. A request takes one request
-and its prompt tokens; a prompt larger than a minute's worth passes when the bucket is full and leaves it in
-debt. A request that does not fit is refused with 429 and the seconds until it would fit (`Retry-After`); it
-takes nothing.
+Each limit is a token bucket that holds a minute's worth and refills continuously. Every authenticated request takes
+one request when it arrives, before its body is read further (so requests refused for their body, and the token and
+render routes, are charged too); its prompt tokens are taken once they are counted, before the engine sees it. A take
+larger than a minute's worth passes when the bucket is full and leaves it in debt. A take that does not fit is
+refused with 429 and the seconds until it would fit (`Retry-After`); it takes nothing. A changed limit (a reloaded
+keys file) keeps the bucket's level, capped at the new limit: it never refills a bucket.
 """
 import math
 import time
@@ -30,21 +33,18 @@ class RateLimits:
     def __init__(self):
         self.buckets: dict[tuple[str, str], Bucket] = {}  # (tenant, "requests" | "tokens")
 
-    def admit(self, tenant: str, rpm: float | None, tpm: float | None, prompt_tokens: int) -> int:
-        """Take one request and its prompt tokens from the tenant's buckets; or, if they do not fit, take nothing
-        and return the whole seconds to wait (0 means admitted)."""
-        now = time.monotonic()
-        wanted = [(self._bucket(tenant, kind, limit), n) for kind, limit, n in
-                  (("requests", rpm, 1), ("tokens", tpm, prompt_tokens)) if limit]
-        wait = max((b.wait(n, now) for b, n in wanted), default=0.0)
+    def take(self, tenant: str, kind: str, limit: float | None, n: int) -> int:
+        """Take n from the tenant's bucket of this kind (no limit: nothing to take); or, if n does not fit, take
+        nothing and return the whole seconds to wait (0 means taken)."""
+        if not limit:
+            return 0
+        b = self.buckets.get((tenant, kind))
+        if b is None:
+            b = self.buckets[(tenant, kind)] = Bucket(limit)
+        elif b.per_minute != limit:
+            b.per_minute, b.level = limit, min(b.level, limit)
+        wait = b.wait(n, time.monotonic())
         if wait > 0:
             return max(1, math.ceil(wait))
-        for b, n in wanted:
-            b.level -= n
+        b.level -= n
         return 0
-
-    def _bucket(self, tenant: str, kind: str, limit: float) -> Bucket:
-        b = self.buckets.get((tenant, kind))
-        if b is None or b.per_minute != limit:  # new, or the keys file changed the limit
-            b = self.buckets[(tenant, kind)] = Bucket(limit)
-        return b

@@ -266,7 +266,18 @@ def test_token_rate_limit_waits_for_what_is_missing_and_lets_a_big_prompt_into_d
     from prefixcache.server.limits import RateLimits
 
     limits = RateLimits()
-    assert limits.admit("t", None, 100, 60) == 0
-    assert limits.admit("t", None, 100, 60) == 12  # 20 tokens missing at 100 a minute; nothing taken
-    assert limits.admit("u", None, 100, 500) == 0  # over a minute's worth: admitted on a full bucket, in debt
-    assert limits.admit("u", None, 100, 1) >= 240
+    assert limits.take("t", "tokens", 100, 60) == 0
+    assert limits.take("t", "tokens", 100, 60) == 12  # 20 tokens missing at 100 a minute; nothing taken
+    assert limits.take("u", "tokens", 100, 500) == 0  # over a minute's worth: admitted on a full bucket, in debt
+    assert limits.take("u", "tokens", 100, 1) >= 240
+
+
+def test_a_changed_limit_keeps_the_bucket_level_and_never_refills_it():
+    """Two keys of one tenant with different limits (or a reloaded keys file) used to reset the bucket to full on
+    every change: alternating them gave unlimited requests."""
+    from prefixcache.server.limits import RateLimits
+
+    limits = RateLimits()
+    taken = sum(limits.take("t", "requests", rpm, 1) == 0 for rpm in [3, 4] * 10)
+    assert taken == 3  # the first limit's minute, never refilled by a change
+    assert limits.take("t", "requests", 2, 1) > 0  # lowered: capped, still empty
