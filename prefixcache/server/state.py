@@ -15,7 +15,8 @@ from prefixcache.prompt import encode_system
 from prefixcache.server.auth import Keys, authenticate
 from prefixcache.server.config import ServeConfig
 from prefixcache.server.errors import ApiError
-from prefixcache.server.generation import Generation
+from prefixcache.server.gate import admits
+from prefixcache.server.generation import CLIENT_CLOSED, Generation
 from prefixcache.server.limits import RateLimits
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.oidc import OidcVerifier
@@ -58,6 +59,7 @@ class Server:
             "enable_prefix_caching": str(engine.config.enable_prefix_cache),
             "num_gpu_blocks": str(engine.pool.usable_blocks)}, cfg.objectives())
         self.limits = RateLimits()
+        self.shares: dict[str, float] = {}  # tenant -> cache_share: its weight at the admission gate and in the engine
         self.draining = False  # after SIGTERM: running requests finish, new ones get 503 (server/serve.py)
 
     def reload_keys(self) -> None:
@@ -67,11 +69,19 @@ class Server:
 
     def apply_shares(self) -> None:
         if self.keys:
-            shares = self.keys.shares()
+            self.shares = shares = self.keys.shares()
             self.worker.inbox.put(lambda: self.engine.cache.set_shares(shares))
 
     def auth(self, request: Request) -> Principal:
         return authenticate(self.keys, request.headers, self.oidc)
+
+    def charge(self, principal: Principal, tokens: int = 0) -> None:
+        """Take a request (tokens=0), or prompt tokens, from the tenant's rate limit; a 429 if they do not fit."""
+        wait = self.limits.take(principal.tenant, "tokens", principal.tpm, tokens) if tokens else \
+            self.limits.take(principal.tenant, "requests", principal.rpm, 1)
+        if wait:
+            raise ApiError(429, f"rate limit of tenant {principal.tenant!r} reached; retry in {wait} s",
+                           code="rate_limit_exceeded", retry_after=wait)
 
     def admin(self, request: Request) -> bool:
         """Whether the caller holds an admin key (always so without keys); a missing or unknown key is no error."""
@@ -95,15 +105,22 @@ class Server:
         if len(prompt) >= self.engine.max_model_len:
             raise ApiError(400, f"prompt has {len(prompt)} tokens; the context window is {self.engine.max_model_len}",
                            param="messages", code="context_length_exceeded")
-        if self.worker.in_flight >= self.cfg.engine.max_num_seqs + self.cfg.max_queue:
+        self.charge(principal, len(prompt))
+        if not admits(self.worker.held, principal.tenant, self.shares,
+                      self.cfg.engine.max_num_seqs + self.cfg.max_queue):
             raise ApiError(529 if api == "anthropic" else 429, "server is over capacity; retry later", retry_after=1)
-        if wait := self.limits.admit(principal.tenant, principal.rpm, principal.tpm, len(prompt)):
-            raise ApiError(429, f"rate limit of tenant {principal.tenant!r} reached; retry in {wait} s",
-                           code="rate_limit_exceeded", retry_after=wait)
-        scope = principal.scope(salt)
-        gen = Generation(self.worker, self.metrics, self.worker.submit(prompt, params, scope, list(breakpoints)),
-                         api, principal.tenant, params, where, self.cfg.engine.log_cross_scope_misses)
-        await gen.start(request)
+        handle = self.worker.submit(prompt, params, principal.scope(salt), list(breakpoints))
+        gen = None
+        try:
+            gen = Generation(self.worker, self.metrics, handle, api, principal.tenant, params, where,
+                             self.cfg.engine.log_cross_scope_misses)
+            await gen.start(request)
+        except BaseException:  # refused, failed or cancelled: its place in flight goes back (once)
+            if gen is None:
+                self.worker.finished(handle)
+            else:
+                gen.close(CLIENT_CLOSED)
+            raise
         return gen
 
 
@@ -113,6 +130,10 @@ def current(request: Request) -> Server:
 
 
 def principal(request: Request) -> Principal:
-    """FastAPI dependency: the caller, from its API key or identity token (resolved before the body is validated,
-    so a bad credential is a 401 whatever the body)."""
-    return current(request).auth(request)
+    """FastAPI dependency: the caller, from its API key or identity token, charged one request of its rate limit
+    (resolved before the body is validated, so a bad credential is a 401 whatever the body, and a request refused
+    for its body is charged too)."""
+    server = current(request)
+    caller = server.auth(request)
+    server.charge(caller)
+    return caller

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -61,6 +62,7 @@ class Update:
 class Handle:
     """One request as the asyncio side sees it."""
 
+    tenant: str
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     seqs: list[Sequence] = field(default_factory=list)  # the request's samples; the engine thread's only
     done: bool = False
@@ -77,13 +79,17 @@ class EngineWorker:
         self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.arrivals: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # submitted requests' adds
         self.live: dict[int, Handle] = {}  # seq id -> handle, engine thread only
-        self.in_flight = 0  # submitted and not yet finished; asyncio side only
+        self.held: Counter[str] = Counter()  # requests submitted and not yet finished, by tenant; asyncio side only
         built: queue.SimpleQueue[Engine | BaseException] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, args=(build, built), name="engine", daemon=True)
         self.thread.start()
         result = built.get()  # the engine (then also self.engine), or what stopped its build
         if isinstance(result, BaseException):
             raise result
+
+    @property
+    def in_flight(self) -> int:
+        return sum(self.held.values())
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -95,8 +101,8 @@ class EngineWorker:
     # ---- asyncio side -------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, scope: CacheScope,
                breakpoints: list[Breakpoint]) -> Handle:
-        handle = Handle()
-        self.in_flight += 1
+        handle = Handle(scope.tenant)
+        self.held[scope.tenant] += 1
 
         def add():
             try:
@@ -120,7 +126,9 @@ class EngineWorker:
         if handle.done:
             return
         handle.done = True
-        self.in_flight -= 1
+        self.held[handle.tenant] -= 1
+        if not self.held[handle.tenant]:
+            del self.held[handle.tenant]
 
         def abort():
             for seq in handle.seqs:
