@@ -42,9 +42,11 @@ class CacheAdmin:
 
     def set_shares(self, shares: dict[str, float]) -> None:
         """Guaranteed fractions of the KV pool by tenant (summing to at most 1): eviction takes from the tenant
-        furthest over its share first; tenants without one split the rest equally."""
+        furthest over its share first; tenants without one split the rest equally. They weigh the tenants' parts
+        of the running slots too."""
         self.blocks.set_shares(shares)
         self.grammars.set_shares(shares)
+        self.scheduler.shares = dict(shares)
 
     def usage(self, top: int = 10) -> dict:
         """For the operator: each tenant's cached blocks and recent engine use (tokens computed, fading over

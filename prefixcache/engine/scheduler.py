@@ -1,7 +1,16 @@
-"""Continuous batching: which sequences run this step, and how many of their tokens."""
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+The running slots (`max_num_seqs`) are shared by tenant weight (their `cache_share`s, equal by default; see
+cache/shares.py `guarantees`): a tenant with a request waiting and fewer slots than its part takes them from the
+tenant furthest over its own part (whose newest sequences are preempted, their computed blocks kept cached), and
+memory pressure preempts the newest sequence of the tenant holding the most KV blocks over its part of the pool. A
+request that does not fit (slots or memory) is passed over, not waited for, until it has been passed over
+`fairness_steps` times; then it goes first and nothing overtakes it.
+"""
 import time
 from collections import Counter, deque
 
+from prefixcache.cache.shares import guarantees
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.sequence import Sequence, Status
 
@@ -39,6 +48,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.fairness_steps = fairness_steps
         self.waiting: deque[Sequence] = deque()
+        self.shares: dict[str, float] = {}  # tenant -> weight (its cache_share); the rest split equally
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.last_was_lane = False  # the last step was a first-token step (see _first_token_lane)
@@ -55,6 +65,7 @@ class Scheduler:
         short for the others' first tokens."""
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
+        self._rebalance()
         shares = self._prefill_shares()
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
@@ -63,7 +74,7 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.blocks.grow(seq, n):
-                victim = self.running[-1]
+                victim = self._victim()
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -73,12 +84,14 @@ class Scheduler:
                 shares.take(seq, n)
         plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
         for seq, m in self._admission_order():
-            if budget == 0 or self.num_slots + 1 + len(seq.forks) > self.max_num_seqs:
+            if budget == 0:
                 break
             if self._waits_for_inflight(seq, m) or not shares.allow(seq, budget):
                 continue
-            if not self.blocks.admit(seq, m):
-                break  # the head of the queue waits for memory rather than being overtaken forever
+            if self.num_slots + 1 + len(seq.forks) > self.max_num_seqs or not self.blocks.admit(seq, m):
+                if seq.skipped >= self.fairness_steps:
+                    break  # passed over long enough: it waits for slots or memory, and nothing overtakes it
+                continue
             self.waiting.remove(seq)
             self.adopt(seq)
             n = shares.allow(seq, min(seq.num_uncomputed, budget))
@@ -125,6 +138,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.running.remove(seq)
         seq.status = Status.WAITING
+        seq.skipped = 0
         self.blocks.prepare(seq)
         self.blocks.prefetch(seq)
         self.waiting.appendleft(seq)
@@ -151,6 +165,50 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = Status.FINISHED
 
+    def _slots(self) -> Counter:
+        """Running slots by tenant (a running prompt's samples count: they will start from it)."""
+        held = Counter()
+        for seq in self.running:
+            held[seq.scope.tenant] += 1 + len(seq.forks)
+        return held
+
+    def _rebalance(self) -> None:
+        """Give each ready waiting request whose tenant holds less than its part of the running slots a slot: a free
+        one, or one preempted from the tenant running furthest over its part. A tenant at its part claims nothing."""
+        runs = self._slots()
+        held = Counter(runs)  # and the slots claimed below
+        free = self.max_num_seqs - sum(runs.values())
+        for seq in sorted(self.waiting, key=lambda s: s.arrival):
+            if not self.blocks.ready(seq) or seq.grammar is not None:
+                continue
+            tenant, need = seq.scope.tenant, 1 + len(seq.forks)
+            held[tenant] += 0  # counted among the tenants sharing the slots
+            fair = guarantees(held, self.shares, self.max_num_seqs)
+            if held[tenant] + need > fair[tenant]:
+                continue
+            while free < need:
+                over = max(runs, key=lambda t: runs[t] - fair[t], default=None)
+                if over is None or runs[over] <= fair[over]:
+                    break
+                victim = next(s for s in reversed(self.running) if s.scope.tenant == over)
+                self.preempt(victim)
+                runs[over] -= 1 + len(victim.forks)
+                held[over] -= 1 + len(victim.forks)
+                free += 1 + len(victim.forks)
+            if free >= need:
+                held[tenant] += need
+                free -= need
+
+    def _victim(self) -> Sequence:
+        """Whom memory pressure preempts: the newest running sequence of the tenant whose running sequences hold the
+        most KV blocks over its part of the pool."""
+        held = Counter()
+        for seq in self.running:
+            held[seq.scope.tenant] += len(seq.block_table)
+        fair = guarantees(held, self.shares, self.blocks.pool.usable_blocks)
+        over = max(held, key=lambda t: held[t] - fair[t])
+        return next(s for s in reversed(self.running) if s.scope.tenant == over)
+
     def _prefill_shares(self) -> "PrefillShares":
         """This step's prefill caps (a deficit round robin over engine use): while two tenants or more have work
         (running or waiting, or finished within NEXT_REQUEST), `shared_chunk` tokens for each, except the one with
@@ -176,18 +234,22 @@ class Scheduler:
         return [(seq, n) for seq, n in plan if n == seq.num_uncomputed] if self.last_was_lane else plan
 
     def _admission_order(self) -> list[tuple[Sequence, object]]:
-        """(request, its cache match): a request passed over `fairness_steps` times first; then round-robin over
-        tenants (a request's turn: its tenant's running sequences plus the tenant's requests waiting ahead of it),
-        so one tenant's flood of requests cannot starve another's; then the longest cached prefix, then arrival.
-        A request whose lookup in the KV tiers below memory, or whose grammar, is not ready waits for it, without
-        taking a turn."""
-        turn = Counter(seq.scope.tenant for seq in self.running)
+        """(request, its cache match): a request passed over `fairness_steps` times first; then weighted round-robin
+        over tenants (a request's turn: its tenant's running slots plus the tenant's requests waiting ahead of it,
+        over the tenant's part of the slots), so one tenant's flood of requests cannot starve another's; then the
+        longest cached prefix, then arrival. A request whose lookup in the KV tiers below memory, or whose grammar,
+        is not ready waits for it, without taking a turn."""
+        ready = [s for s in sorted(self.waiting, key=lambda s: s.arrival)
+                 if self.blocks.ready(s) and s.grammar is None]
+        turn = self._slots()
+        for seq in ready:
+            turn[seq.scope.tenant] += 0
+        fair = guarantees(turn, self.shares, self.max_num_seqs)
         order = []
-        for seq in sorted(self.waiting, key=lambda s: s.arrival):
-            if not self.blocks.ready(seq) or seq.grammar is not None:
-                continue
-            order.append((seq, self.blocks.match(seq), turn[seq.scope.tenant]))
-            turn[seq.scope.tenant] += 1
+        for seq in ready:
+            part = max(fair[seq.scope.tenant], 1e-9)  # a tenant without a share when the shares take all: last
+            order.append((seq, self.blocks.match(seq), turn[seq.scope.tenant] / part))
+            turn[seq.scope.tenant] += 1 + len(seq.forks)
         order.sort(key=lambda p: (p[0].skipped < self.fairness_steps, p[2], -len(p[1]), p[0].arrival))
         return [(seq, m) for seq, m, _ in order]
 

@@ -1,0 +1,79 @@
+"""The running slots and preemption shared by tenant (engine/scheduler.py): a waiting tenant gets its part of the
+slots from the one over its part, a request that does not fit does not block the ones behind it, and memory
+pressure preempts the tenant holding the most over its part. Steps are driven by hand: no timing."""
+from collections import Counter
+
+from prefixcache import LLM, CacheScope, SamplingParams
+from prefixcache.engine.sequence import Status
+
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+
+def prompt(i: int) -> list[int]:
+    """Prompts that differ from their first token: none waits for another's prefill of a shared prefix."""
+    return [100 + i] + list(range(3000, 3100))
+
+
+def running(llm: LLM) -> Counter:
+    return Counter(s.scope.tenant for s in llm.engine.scheduler.running)
+
+
+def test_a_waiting_tenant_takes_its_share_of_the_slots_from_the_one_holding_them(tiny_model):
+    llm = LLM(model=tiny_model, max_num_seqs=4)
+    e = llm.engine
+    for i in range(4):
+        e.add_request(prompt(i), LONG, CacheScope("a"))
+    e.step()
+    assert running(llm) == {"a": 4}
+    e.add_request(prompt(50), LONG, CacheScope("b"))
+    e.step()
+    assert running(llm) == {"a": 3, "b": 1}  # the newcomer runs now, not when a long answer ends
+    e.add_request(prompt(51), LONG, CacheScope("b"))
+    e.add_request(prompt(52), LONG, CacheScope("b"))
+    for _ in range(3):
+        e.step()
+    assert running(llm) == {"a": 2, "b": 2}  # b waits with a third request, and a holds no more than its half
+    assert e.scheduler.num_preemptions == 2
+
+
+def test_the_weights_are_the_cache_shares(tiny_model):
+    llm = LLM(model=tiny_model, max_num_seqs=4)
+    e = llm.engine
+    e.cache.set_shares({"b": 0.75})
+    for i in range(4):
+        e.add_request(prompt(i), LONG, CacheScope("a"))
+    e.step()
+    for i in range(4):
+        e.add_request(prompt(50 + i), LONG, CacheScope("b"))
+    for _ in range(4):
+        e.step()
+    assert running(llm) == {"a": 1, "b": 3}
+
+
+def test_a_request_that_does_not_fit_the_free_slots_is_passed_over_until_it_has_waited_enough(tiny_model):
+    llm = LLM(model=tiny_model, max_num_seqs=4, fairness_steps=3)
+    e = llm.engine
+    for i in range(2):
+        e.add_request(prompt(i), LONG, CacheScope("a"))
+    e.step()
+    wide = e.add_request(prompt(10), SamplingParams(temperature=1.0, max_tokens=200, n=3, seed=1), CacheScope("a"))
+    narrow = e.add_request(prompt(11), LONG, CacheScope("a"))
+    e.step()
+    assert narrow.status is Status.RUNNING and wide.status is Status.WAITING  # not blocked behind it
+    for _ in range(3):
+        e.step()
+    late = e.add_request(prompt(12), LONG, CacheScope("a"))
+    e.step()
+    assert late.status is Status.WAITING and running(llm) == {"a": 3}  # now wide goes first: nothing overtakes it
+
+
+def test_memory_pressure_preempts_the_tenant_holding_the_most_blocks(tiny_model):
+    llm = LLM(model=tiny_model, max_num_seqs=4)
+    e = llm.engine
+    e.add_request(list(range(3000, 3600)), LONG, CacheScope("a"))  # 38 blocks
+    e.step()
+    e.step()
+    e.add_request(prompt(60)[:20], LONG, CacheScope("b"))  # 2 blocks, and the newest sequence
+    e.step()
+    assert running(llm) == {"a": 1, "b": 1}
+    assert e.scheduler._victim().scope.tenant == "a"
