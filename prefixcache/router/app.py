@@ -26,9 +26,9 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 
 def create_app(cfg: RouterConfig) -> FastAPI:
     replicas = [Replica(url.rstrip("/")) for url in cfg.replicas]
-    index = PrefixIndex(cfg.redis_url, cfg.redis_password) if cfg.redis_url else None
+    index = PrefixIndex(cfg.redis_url, cfg.redis_password, max_pending=cfg.max_pending_keys) if cfg.redis_url else None
     metrics = RouterMetrics(replicas, index)
-    router = Router(replicas, index, cfg.policy, cfg.max_retries, metrics)
+    router = Router(replicas, index, cfg.policy, cfg.max_retries, metrics, cfg.max_model_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -5,12 +5,14 @@ The stream `prefixcache:events` has one entry per event, with fields `replica`, 
 is there in either tier. "reset" means the replica restarted: its L1 keys are gone (the L2 keys that survived on
 disk are announced again as stored right after). The index reads the stream from its start, so a new router has
 the same view as one that has run all along, then follows new entries. Between a request's routing and the
-events of its blocks, `expect` counts its keys as held where it was sent.
+events of its blocks, `expect` counts its keys as held where it was sent: at most `max_pending` keys over all
+replicas, in the order they lapse (each lasts `expect_seconds`), so the lapsed and, past the cap, the oldest go from
+the front in O(1) each.
 """
 import asyncio
 import logging
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -33,7 +35,9 @@ class PrefixIndex:
     tiers: dict[str, dict[str, set[str]]] = field(
         default_factory=lambda: defaultdict(lambda: {tier: set() for tier in TIERS}))
     expect_seconds: float = 30.0  # how long a routed request's keys count as held before events confirm them
-    pending: dict[str, dict[str, float]] = field(default_factory=dict)  # replica id -> key -> until (monotonic)
+    max_pending: int = 100_000  # keys counted as held that way, over all replicas (~260 bytes each)
+    # (replica id, key) -> until (monotonic), soonest first
+    pending: OrderedDict[tuple[str, str], float] = field(default_factory=OrderedDict)
 
     def apply(self, entry: dict[str, str]) -> None:
         """One stream entry's fields. A malformed entry is logged and skipped: it must not stop the index."""
@@ -41,7 +45,7 @@ class PrefixIndex:
         keys = [k for k in entry.get("keys", "").split(",") if k]
         if replica and kind == "reset":
             self.tiers[replica]["L1"].clear()
-            self.pending.pop(replica, None)
+            self.pending = OrderedDict((k, t) for k, t in self.pending.items() if k[0] != replica)  # rare: O(N)
         elif replica and kind == "stored" and tier in TIERS:
             self.tiers[replica][tier].update(keys)
         elif replica and kind == "removed" and tier in TIERS:
@@ -52,24 +56,22 @@ class PrefixIndex:
     def expect(self, replica_id: str | None, keys: list[str]) -> None:
         """A request with these keys was just sent to the replica: count them as held there for `expect_seconds`,
         so that the next requests with the same prefix follow it before its KV events arrive (a prefill of long
-        prompts takes seconds). Soft state: a restarted router just lacks it for that long."""
+        prompts takes seconds). Soft state: a restarted router just lacks it for that long, and past `max_pending`
+        the oldest expectations lapse early."""
         if replica_id is None or not keys:
             return
-        now = time.monotonic()
-        pending = self.pending.setdefault(replica_id, {})
+        now, pending = time.monotonic(), self.pending
         for key in keys:
-            pending[key] = now + self.expect_seconds
-        if len(pending) > 4 * len(keys) + 10_000:  # drop the expired ones once in a while
-            self.pending[replica_id] = {k: t for k, t in pending.items() if t > now}
+            pending[replica_id, key] = now + self.expect_seconds
+            pending.move_to_end((replica_id, key))
+        while pending and (len(pending) > self.max_pending or next(iter(pending.values())) <= now):
+            pending.popitem(last=False)
 
     def match(self, replica_id: str | None, keys: list[str]) -> int:
         """How many leading `keys` of a request the replica holds (in L1 or L2) or is computing (`expect`)."""
-        tiers, pending = self.tiers.get(replica_id), self.pending.get(replica_id, {})
-        if tiers is None and not pending:
-            return 0
-        now, n = time.monotonic(), 0
+        tiers, pending, now, n = self.tiers.get(replica_id), self.pending, time.monotonic(), 0
         for key in keys:
-            if not (tiers and (key in tiers["L1"] or key in tiers["L2"]) or pending.get(key, 0) > now):
+            if not (tiers and (key in tiers["L1"] or key in tiers["L2"]) or pending.get((replica_id, key), 0) > now):
                 break
             n += 1
         return n

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from prefixcache.router.balance import Candidate, Policy, choose
+from prefixcache.router.config import RouterConfig
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.replicas import Replica
@@ -36,9 +37,9 @@ class Router:
     """The replicas, the index and the policy, and the forwarding of requests over them."""
 
     def __init__(self, replicas: list[Replica], index: PrefixIndex | None, policy: Policy, max_retries: int,
-                 metrics: RouterMetrics):
+                 metrics: RouterMetrics, max_model_len: int = RouterConfig.max_model_len):
         self.replicas, self.index, self.policy, self.max_retries = replicas, index, policy, max_retries
-        self.metrics = metrics
+        self.metrics, self.max_model_len = metrics, max_model_len
         self.turn = 0  # round-robin's position
         self.client: httpx.AsyncClient | None = None  # set while the app runs
 
@@ -46,8 +47,9 @@ class Router:
         return [r for r in self.replicas if r.healthy]
 
     async def keys(self, path: str, body: bytes, headers) -> tuple[list[str], int]:
-        """The request's block keys and block size, from any healthy replica; ([], 0) when there is no index or
-        the lookup fails (the request is then routed by load, and the replica answers any error itself)."""
+        """The request's block keys (at most the context's full blocks: what the router holds of a request is
+        bounded) and block size, from any healthy replica; ([], 0) when there is no index or the lookup fails (the
+        request is then routed by load, and the replica answers any error itself)."""
         healthy = self.healthy()
         if self.index is None or not healthy:
             return [], 0
@@ -62,8 +64,9 @@ class Router:
             if r.status_code != 200:
                 return [], 0
             answer = r.json()
-            return list(answer["keys"]), int(answer["block_size"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            block_size = int(answer["block_size"])
+            return list(answer["keys"][:self.max_model_len // block_size]), block_size
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
             log.info("cache keys lookup failed (%s); routing by load", type(e).__name__)
             return [], 0
 
