@@ -163,15 +163,18 @@ async def messages(request: Request, req: MessagesRequest, caller: Principal = D
     server.check_model(req.model)
     if req.max_tokens >= server.engine.max_model_len:
         raise ApiError(400, f"max_tokens must be below the context window ({server.engine.max_model_len})")
-    prompt, breakpoints = build_prompt(server.tokenizer, req)
     stops = [s for s in req.stop_sequences or [] if s]
-    use = tool_use(req)
-    params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p or 1.0,
-                            top_k=req.top_k or 0, max_tokens=req.max_tokens, stop=stops,
-                            guide=use.guide() if use else None, speculative=req.speculative is not False)
-    gen = await server.generate(request, "anthropic", caller, prompt.token_ids, params,
-                                req.salt,
-                                breakpoints, where=prompt.where)
+
+    def prepare():
+        use = tool_use(req)
+        params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                                top_p=req.top_p or 1.0, top_k=req.top_k or 0, max_tokens=req.max_tokens, stop=stops,
+                                guide=use.guide() if use else None, speculative=req.speculative is not False)
+        return *build_prompt(server.tokenizer, req), use, params
+
+    prompt, breakpoints, use, params = await server.prepare(caller, prepare)
+    gen = await server.generate(request, "anthropic", caller, prompt.token_ids, params, req.salt, breakpoints,
+                                where=prompt.where)
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": server.model_name}
 
     if not req.stream:

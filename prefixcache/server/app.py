@@ -39,6 +39,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             loop.add_signal_handler(signal.SIGHUP, server.reload_keys)
         yield
         server.worker.stop()
+        server.preparer.shutdown()
 
     app = FastAPI(title="prefixcache", lifespan=lifespan)
     app.state.server = server

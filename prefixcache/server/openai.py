@@ -36,9 +36,14 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
     server = current(request)
     server.check_model(req.model)
     req.check_samples(server.engine.config.max_num_seqs)
-    rendered = req.rendered(server.tokenizer) if chat else None
-    prompt = rendered.token_ids if rendered else completion_prompt(server.tokenizer, req, server.engine.max_model_len)
-    params = req.sampling(server.tokenizer, server.engine.max_model_len)
+
+    def prepare():
+        rendered = req.rendered(server.tokenizer) if chat else None
+        prompt = rendered.token_ids if rendered else completion_prompt(server.tokenizer, req,
+                                                                        server.engine.max_model_len)
+        return rendered, prompt, req.sampling(server.tokenizer, server.engine.max_model_len)
+
+    rendered, prompt, params = await server.prepare(caller, prepare)
     gen = await server.generate(request, "openai", caller, prompt, params, req.salt,
                                 where=rendered.where if rendered else None)
     reply = Reply(req, gen, params, prompt, server.tokenizer, server.model_name, chat)

@@ -2,12 +2,14 @@
 
 Routes reach it through `current(request)`, typed; a Generation gets from it only what it uses.
 """
+import asyncio
 import json
 import os
-from typing import Callable
+from typing import Callable, TypeVar
 
 from fastapi import Request
 
+from prefixcache.cache.fair import FairThread
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.sequence import SamplingParams
@@ -24,6 +26,8 @@ from prefixcache.server.principal import Principal
 from prefixcache.server.worker import EngineWorker
 
 MODEL_ALIAS = "default"
+PREPARING = 16  # requests of one tenant waiting to be rendered and tokenized; past it, 429
+T = TypeVar("T")
 
 
 def load_engine(cfg: ServeConfig) -> Engine:
@@ -60,6 +64,8 @@ class Server:
             "num_gpu_blocks": str(engine.pool.usable_blocks)}, cfg.objectives())
         self.limits = RateLimits()
         self.shares: dict[str, float] = {}  # tenant -> cache_share: its weight at the admission gate and in the engine
+        # rendering and tokenizing, off the event loop (the tokenizer lets go of the GIL), taken by tenant weight
+        self.preparer = FairThread("prepare", PREPARING)
         self.draining = False  # after SIGTERM: running requests finish, new ones get 503 (server/serve.py)
 
     def reload_keys(self) -> None:
@@ -70,10 +76,20 @@ class Server:
     def apply_shares(self) -> None:
         if self.keys:
             self.shares = shares = self.keys.shares()
+            self.preparer.set_shares(shares)
             self.worker.inbox.put(lambda: self.engine.cache.set_shares(shares))
 
     def auth(self, request: Request) -> Principal:
         return authenticate(self.keys, request.headers, self.oidc)
+
+    async def prepare(self, principal: Principal, fn: Callable[[], T]) -> T:
+        """fn() (a request's rendering, tokenizing and sampling parameters) on the preparing thread, in its tenant's
+        turn; a 429 if the tenant already has PREPARING requests waiting there."""
+        future = self.preparer.submit(principal.tenant, fn)
+        if future is None:
+            raise ApiError(429, f"tenant {principal.tenant!r} has {PREPARING} requests waiting to be tokenized; "
+                                "retry later", code="rate_limit_exceeded", retry_after=1)
+        return await asyncio.wrap_future(future)
 
     def charge(self, principal: Principal, tokens: int = 0) -> None:
         """Take a request (tokens=0), or prompt tokens, from the tenant's rate limit; a 429 if they do not fit."""

@@ -48,7 +48,8 @@ async def tokenize(request: Request, req: TokenizeRequest, caller: Principal = D
     server = current(request)
     server.check_model(req.model)
     if req.prompt is not None:
-        ids = server.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        ids = await server.prepare(caller, lambda: server.tokenizer.encode(
+            req.prompt, add_special_tokens=req.add_special_tokens is not False))
     else:
         chat = {"messages", "tools", "add_special_tokens", "add_generation_prompt", "continue_final_message",
                 "chat_template_kwargs"}
@@ -56,7 +57,7 @@ async def tokenize(request: Request, req: TokenizeRequest, caller: Principal = D
             body = ChatRequest.model_validate({"model": req.model, **req.model_dump(include=chat, exclude_none=True)})
         except ValidationError as e:
             raise invalid([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
-        ids = body.rendered(server.tokenizer).token_ids
+        ids = await server.prepare(caller, lambda: body.rendered(server.tokenizer).token_ids)
     server.charge(caller, len(ids))
     strs = {"token_strs": server.tokenizer.convert_ids_to_tokens(ids)} if req.return_token_strs else {}
     return {"count": len(ids), "max_model_len": server.engine.max_model_len, "tokens": ids, **strs}
@@ -77,9 +78,10 @@ async def render_completion(request: Request, req: CompletionRequest, caller: Pr
     server = current(request)
     server.check_model(req.model)
     req.check_samples(server.engine.config.max_num_seqs)
-    prompt = completion_prompt(server.tokenizer, req, server.engine.max_model_len)
-    server.charge(caller, len(prompt))
-    return [generate_request(server, req, prompt, "cmpl")]  # vLLM's: one per prompt
+    out = await server.prepare(caller, lambda: generate_request(
+        server, req, completion_prompt(server.tokenizer, req, server.engine.max_model_len), "cmpl"))
+    server.charge(caller, len(out["token_ids"]))
+    return [out]  # vLLM's: one per prompt
 
 
 @router.post("/v1/chat/completions/render")
@@ -87,9 +89,10 @@ async def render_chat(request: Request, req: ChatRequest, caller: Principal = De
     server = current(request)
     server.check_model(req.model)
     req.check_samples(server.engine.config.max_num_seqs)
-    prompt = req.rendered(server.tokenizer).token_ids
-    server.charge(caller, len(prompt))
-    return generate_request(server, req, prompt, "chatcmpl")
+    out = await server.prepare(caller, lambda: generate_request(server, req, req.rendered(server.tokenizer).token_ids,
+                                                                 "chatcmpl"))
+    server.charge(caller, len(out["token_ids"]))
+    return out
 
 
 def generate_request(server, req: Common, prompt: list[int], kind: str) -> dict:

@@ -13,6 +13,7 @@ from server_fixtures import Pause, _start, until
 from prefixcache.config import Config
 from prefixcache.server import caps
 from prefixcache.server.config import ServeConfig
+from prefixcache.server.state import PREPARING
 
 KEYS = {"sk-a": {"tenant": "a"}, "sk-b": {"tenant": "b"}, "sk-m1": {"tenant": "m", "rpm": 2},
         "sk-m2": {"tenant": "m", "rpm": 5}, "sk-r": {"tenant": "r", "rpm": 2}}
@@ -112,6 +113,26 @@ def test_a_tenant_holding_every_slot_gets_the_429_and_a_newcomer_enters(srv):
     until(lambda: worker.in_flight == 0)
 
 
+def test_rendering_and_tokenizing_run_off_the_event_loop_in_turns_by_tenant(srv):
+    """The preparing thread held by a job of tenant a's, with PREPARING more of a's waiting (each holding the thread
+    until released): a's next request gets the 429, and b's request is not refused and is served before a's backlog."""
+    preparer, held, fillers_go, ran = srv.server.preparer, threading.Event(), threading.Event(), []
+    preparer.submit("a", held.wait)
+    until(lambda: "a" not in preparer.jobs.queues)  # the thread holds it
+    assert all(preparer.submit("a", lambda i=i: (fillers_go.wait(), ran.append(i))) for i in range(PREPARING))
+    assert post(srv, "/v1/chat/completions", CHAT, A).status_code == 429
+    b: list[int] = []
+    asker = threading.Thread(target=lambda: b.append(post(srv, "/tokenize", {"model": "default", "prompt": "hi"},
+                                                          B).status_code))
+    asker.start()
+    until(lambda: "b" in preparer.jobs.queues)
+    held.set()
+    asker.join(60)
+    assert b == [200] and ran == []  # served while a's backlog still waited
+    fillers_go.set()
+    until(lambda: len(ran) == PREPARING)
+
+
 def test_rate_limits_are_the_tenants_and_refused_requests_count(srv):
     """Two keys of tenant m with rpm 2 and 5: alternating them used to reset the bucket each time. And tenant r's
     requests refused for their body take from its limit too."""
@@ -145,7 +166,8 @@ def test_b_streams_unchanged_while_a_attacks(srv):
                ("/v1/completions/render", {**PROMPT, "bad_words": ["word"] * 100_000}),
                ("/v1/messages", {**MESSAGES, "stop_sequences": ["s"] * 100_000}),
                ("/v1/completions", {**PROMPT, "allowed_token_ids": list(range(100_000))}),
-               ("/v1/completions", {**PROMPT, "prompt": list(range(100, 400_000))})]
+               ("/v1/completions", {**PROMPT, "prompt": list(range(100, 400_000))}),
+               ("/v1/completions", {**PROMPT, "prompt": "tenant " * 140_000})]
     statuses = []
     stop = threading.Event()
 
