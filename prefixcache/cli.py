@@ -99,8 +99,8 @@ def cmd_route(args) -> None:
 
     policy = Policy(args.policy, args.min_match_fraction, args.balance_abs_threshold, args.balance_rel_threshold)
     cfg = RouterConfig(args.replica, args.host, args.port, args.redis_url, policy, args.health_interval,
-                       args.max_retries, args.max_body_bytes, redis_password(args.redis_password_file),
-                       router_admin_key(args.admin_key_file))
+                       args.max_retries, args.max_body_bytes, args.max_model_len, args.max_pending_keys,
+                       redis_password(args.redis_password_file), router_admin_key(args.admin_key_file))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check and forwarded request
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info")
@@ -225,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(default: {RouterConfig.max_retries})")
     p.add_argument("--max-body-bytes", type=size, default=RouterConfig.max_body_bytes,
                    help=f"larger request bodies get 413 (default: {RouterConfig.max_body_bytes})")
+    p.add_argument("--max-model-len", type=int, default=RouterConfig.max_model_len,
+                   help="the replicas' context in tokens: a request's keys past it are not held "
+                   f"(default: {RouterConfig.max_model_len})")
+    p.add_argument("--max-pending-keys", type=int, default=RouterConfig.max_pending_keys,
+                   help="keys of routed requests held until their replica's events arrive, over all requests; past "
+                   f"it the oldest go (default: {RouterConfig.max_pending_keys})")
     p.set_defaults(func=cmd_route)
 
     p = sub.add_parser("lint", help="lint prompt templates and logged requests for prefix-cache killers")

@@ -82,6 +82,11 @@ class Server:
     def auth(self, request: Request) -> Principal:
         return authenticate(self.keys, request.headers, self.oidc)
 
+    def check_context(self, prompt: list[int], param: str = "messages") -> None:
+        if len(prompt) >= self.engine.max_model_len:
+            raise ApiError(400, f"prompt has {len(prompt)} tokens; the context window is {self.engine.max_model_len}",
+                           param=param, code="context_length_exceeded")
+
     async def prepare(self, principal: Principal, fn: Callable[[], T]) -> T:
         """fn() (a request's rendering, tokenizing and sampling parameters) on the preparing thread, in its tenant's
         turn; a 429 if the tenant already has PREPARING requests waiting there."""
@@ -118,9 +123,7 @@ class Server:
         request (message and character offset), to explain where a cache match stopped."""
         if self.draining:
             raise ApiError(503, "server is shutting down; retry on another replica", retry_after=1)
-        if len(prompt) >= self.engine.max_model_len:
-            raise ApiError(400, f"prompt has {len(prompt)} tokens; the context window is {self.engine.max_model_len}",
-                           param="messages", code="context_length_exceeded")
+        self.check_context(prompt)
         self.charge(principal, len(prompt))
         if not admits(self.worker.held, principal.tenant, self.shares,
                       self.cfg.engine.max_num_seqs + self.cfg.max_queue):
@@ -145,11 +148,15 @@ def current(request: Request) -> Server:
     return request.app.state.server
 
 
+def authenticated(request: Request) -> Principal:
+    """FastAPI dependency: the caller, from its API key or identity token (resolved before the body is validated,
+    so a bad credential is a 401 whatever the body)."""
+    return current(request).auth(request)
+
+
 def principal(request: Request) -> Principal:
-    """FastAPI dependency: the caller, from its API key or identity token, charged one request of its rate limit
-    (resolved before the body is validated, so a bad credential is a 401 whatever the body, and a request refused
-    for its body is charged too)."""
-    server = current(request)
-    caller = server.auth(request)
-    server.charge(caller)
-    return caller
+    """FastAPI dependency: the caller, charged one request of its rate limit (so a request refused for its body is
+    charged too)."""
+    who = authenticated(request)
+    current(request).charge(who)
+    return who
