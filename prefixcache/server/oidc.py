@@ -6,7 +6,9 @@
      "tenant_claim": "tid",                                 # default
      "label_claims": ["groups", "roles"],                   # default
      "labels": {"<group object id>": "finance"},            # optional: claim values to labels; others dropped
-     "admin_label": "prefixcache-admin"}                    # optional: the label that makes an admin
+     "admin_label": "prefixcache-admin",                    # optional: the label that makes an admin
+     "limits": {"<tenant id>": {"rpm": 60, "tpm": 100000},  # optional: rate limits by tenant, as a keys file's;
+                "*": {"rpm": 600}}}                         # "*": every tenant not named
 
 A bearer JWT is verified with PyJWT against the JWKS: signature (asymmetric algorithms only, so never `none` or an
 HMAC keyed by a public key), issuer, audience, expiry and not-before (with `leeway_seconds`, default 30). Keys are
@@ -17,7 +19,8 @@ cache scope exactly as a keys file's do. A token whose labels a scope cannot hol
 than MAX_LABEL_LENGTH or not printable: cache/scope.py) is refused with a 401 saying so, never served with some of
 its labels dropped or cut: a smaller label set is another scope, one that other users' entries live in, and whose
 purge is theirs. A provider that sends many groups needs `labels` to map the ones that matter. API keys work beside
-tokens. A bad config fails startup with the key that is wrong.
+tokens. A tenant's rate limits (server/limits.py) are its entry in `limits`, else the entry "*", else none. A bad
+config fails startup with the key that is wrong.
 """
 import json
 import os
@@ -44,6 +47,7 @@ class OidcConfig:
     tenant_claim: str = "tid"
     label_claims: list[str] = field(default_factory=lambda: ["groups", "roles"])
     labels: dict[str, str] | None = None
+    limits: dict[str, dict[str, float]] = field(default_factory=dict)  # tenant or "*" -> {"rpm": .., "tpm": ..}
     admin_label: str | None = None
     algorithms: list[str] = field(default_factory=lambda: list(ASYMMETRIC))
     leeway_seconds: float = 30.0
@@ -86,6 +90,11 @@ class OidcConfig:
                 validate_labels([label])
             except ValueError as e:
                 raise ValueError(f"{path}: labels: {e}") from None
+        if "limits" in raw and not (isinstance(raw["limits"], dict) and all(
+                isinstance(v, dict) and set(v) <= {"rpm", "tpm"} and all(
+                    isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0 for n in v.values())
+                for v in raw["limits"].values())):
+            raise bad("limits", 'an object of tenants (or "*") to {"rpm": n, "tpm": n}, each number above 0')
         for key in ("leeway_seconds", "jwks_cache_seconds", "jwks_refetch_seconds"):
             if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], (int, float)) or raw[key] < 0):
                 raise bad(key, "a number of seconds, 0 or more")
@@ -139,7 +148,9 @@ class OidcVerifier:
             labels = validate_labels(list(self._labels(claims)))
         except ValueError as e:
             raise refused(f"the token's labels cannot form a cache scope: {e}") from None
-        return Principal(tenant, labels, admin=self.cfg.admin_label in labels)
+        limits = self.cfg.limits.get(tenant, self.cfg.limits.get("*", {}))
+        return Principal(tenant, labels, admin=self.cfg.admin_label in labels, rpm=limits.get("rpm"),
+                         tpm=limits.get("tpm"))
 
     def _labels(self, claims: dict) -> set[str]:
         values = []

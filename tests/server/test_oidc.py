@@ -44,7 +44,8 @@ def srv(tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("oidc")
     (d / "jwks.json").write_text(json.dumps({"keys": [jwk(RSA_KEY, "rsa-1", "RS256"), jwk(EC_KEY, "ec-1", "ES256")]}))
     (d / "oidc.json").write_text(json.dumps({"issuer": ISSUER, "audience": AUDIENCE, "jwks": str(d / "jwks.json"),
-                                             "labels": LABELS, "admin_label": "prefixcache-admin"}))
+                                             "labels": LABELS, "admin_label": "prefixcache-admin",
+                                             "limits": {"metered": {"rpm": 2}, "*": {"rpm": 1000}}}))
     (d / "keys.json").write_text(json.dumps({"sk-globex": {"tenant": "globex"}, "sk.dotted.key": {"tenant": "d"}}))
     return _start("oidc", ServeConfig(Config(model=tiny_model, min_cache_tokens=0), api_keys=str(d / "keys.json"),
                                       auth_oidc=str(d / "oidc.json")))
@@ -129,6 +130,14 @@ class Keys(BaseHTTPRequestHandler):
         pass
 
 
+def test_a_tenant_from_identity_tokens_gets_its_configured_rate_limit(srv):
+    """`limits` in the OIDC config: tenant metered has 2 requests a minute, whichever user's token it comes with;
+    another tenant has the "*" entry's."""
+    codes = [complete(srv, token(tid="metered", sub=f"user-{i}")).status_code for i in range(3)]
+    assert codes == [200, 200, 429]
+    assert complete(srv, token(tid="other")).status_code == 200
+
+
 def test_a_rotated_key_set_is_fetched_again(tmp_path):
     """A JWKS URL (plain http only on loopback): its set is cached, and fetched again for a kid it lacks."""
     Keys.jwks = {"keys": [jwk(RSA_KEY, "rsa-1", "RS256")]}
@@ -157,7 +166,8 @@ def test_a_rotated_key_set_is_fetched_again(tmp_path):
     ({"jwks": "http://keys.example.test/jwks"}, "jwks must be a file or an https URL"),
     ({"jwks": "/nonexistent/jwks.json"}, "jwks: cannot read"), ({"algorithms": ["HS256"]}, "algorithms must be"),
     ({"labels": ["finance"]}, "labels must be"), ({"tenant_claim": ""}, "tenant_claim must be"),
-    ({"leeway_seconds": -1}, "leeway_seconds must be"), ({"group_claim": "groups"}, "unknown key 'group_claim'"),
+    ({"leeway_seconds": -1}, "leeway_seconds must be"), ({"limits": {"a": {"rpm": 0}}}, "limits must be"),
+    ({"limits": {"a": {"rpd": 5}}}, "limits must be"), ({"group_claim": "groups"}, "unknown key 'group_claim'"),
 ])
 def test_a_bad_config_names_its_key(tmp_path, change, key):
     jwks = tmp_path / "jwks.json"
