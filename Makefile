@@ -53,6 +53,7 @@ bench: setup redis
 	$(PY) -m prefixcache.bench.tiers
 	$(PY) -m prefixcache.bench.cluster
 	$(PY) -m prefixcache.bench.noisy
+	$(PY) -m prefixcache.bench.abuse
 	$(PY) -m prefixcache.cli bench --name default
 
 # the long form of the reliability tests (about 5 minutes here), and their report in bench/results/reliability.md
