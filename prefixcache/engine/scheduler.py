@@ -83,13 +83,13 @@ class Scheduler:
                 budget -= n
                 shares.take(seq, n)
         plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
-        for seq, m in self._admission_order():
+        for seq, m, due in self._admission_order():
             if budget == 0:
                 break
             if self._waits_for_inflight(seq, m) or not shares.allow(seq, budget):
                 continue
             if self.num_slots + 1 + len(seq.forks) > self.max_num_seqs or not self.blocks.admit(seq, m):
-                if seq.skipped >= self.fairness_steps:
+                if due:
                     break  # passed over long enough: it waits for slots or memory, and nothing overtakes it
                 continue
             self.waiting.remove(seq)
@@ -109,7 +109,7 @@ class Scheduler:
         reach their next token (short prompts past their cached prefix), admitted now without preempting anyone,
         with those tokens."""
         plan = []
-        for seq, m in self._admission_order():
+        for seq, m, _ in self._admission_order():
             n = len(seq.tokens) - len(m)
             if n > budget or self.num_slots + 1 + len(seq.forks) > self.max_num_seqs:
                 continue
@@ -233,8 +233,10 @@ class Scheduler:
         self.last_was_lane = first and chunked and not self.last_was_lane
         return [(seq, n) for seq, n in plan if n == seq.num_uncomputed] if self.last_was_lane else plan
 
-    def _admission_order(self) -> list[tuple[Sequence, object]]:
-        """(request, its cache match): a request passed over `fairness_steps` times first; then weighted round-robin
+    def _admission_order(self) -> list[tuple[Sequence, object, bool]]:
+        """(request, its cache match, whether it is due): a request passed over `fairness_steps` times is due, and goes
+        first, unless its tenant holds its part of the slots while another tenant waits below its own (then its
+        requests are passed over by design, and waiting earns them nothing); then weighted round-robin
         over tenants (a request's turn: its tenant's running slots plus the tenant's requests waiting ahead of it,
         over the tenant's part of the slots), so one tenant's flood of requests cannot starve another's; then the
         longest cached prefix, then arrival. A request whose lookup in the KV tiers below memory, or whose grammar,
@@ -250,8 +252,11 @@ class Scheduler:
             part = max(fair[seq.scope.tenant], 1e-9)  # a tenant without a share when the shares take all: last
             order.append((seq, self.blocks.match(seq), turn[seq.scope.tenant] / part))
             turn[seq.scope.tenant] += 1 + len(seq.forks)
-        order.sort(key=lambda p: (p[0].skipped < self.fairness_steps, p[2], -len(p[1]), p[0].arrival))
-        return [(seq, m) for seq, m, _ in order]
+        under = {seq.scope.tenant for seq, _, t in order if t < 1}
+        order = [(seq, m, t, seq.skipped >= self.fairness_steps and (t < 1 or not under - {seq.scope.tenant}))
+                 for seq, m, t in order]
+        order.sort(key=lambda p: (not p[3], p[2], -len(p[1]), p[0].arrival))
+        return [(seq, m, due) for seq, m, _, due in order]
 
     def _waits_for_inflight(self, seq: Sequence, m) -> bool:
         """True if a running prefill is computing the next block of this request's prefix: wait, then hit."""

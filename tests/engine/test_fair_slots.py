@@ -77,3 +77,18 @@ def test_memory_pressure_preempts_the_tenant_holding_the_most_blocks(tiny_model)
     e.step()
     assert running(llm) == {"a": 1, "b": 1}
     assert e.scheduler._victim().scope.tenant == "a"
+
+
+def test_a_tenants_long_queue_does_not_go_ahead_of_a_newcomer_below_its_part(tiny_model):
+    """a's queued requests have been passed over fairness_steps times long before b arrives: being due must not let
+    them take the slot freed for b (b would then wait until it had been passed over as often)."""
+    llm = LLM(model=tiny_model, max_num_seqs=2, fairness_steps=2)
+    e = llm.engine
+    for i in range(6):
+        e.add_request(prompt(i), LONG, CacheScope("a"))
+    for _ in range(4):
+        e.step()
+    assert running(llm) == {"a": 2} and all(s.skipped >= 2 for s in e.scheduler.waiting)
+    b = e.add_request(prompt(50), LONG, CacheScope("b"))
+    e.step()
+    assert b.status is Status.RUNNING and running(llm) == {"a": 1, "b": 1}
