@@ -30,6 +30,11 @@ KINDS = ("json_object", "json_schema", "regex", "choice")
 MAX_SCOPES = 4  # scopes (salts) of one owner with compiled grammars kept
 MAX_GRAMMAR_BYTES = 64 << 20  # compiled grammars kept per scope (a 300-field schema compiles to about 22 MB)
 COMPILES = 64  # guides one tenant may have waiting to compile (a new 300-field schema takes 2-12 s)
+
+
+class Busy(ValueError):
+    """The tenant has as much work waiting in a shared queue as it may: the request is refused now, to be retried
+    (the server's 429), not because it is wrong."""
 # The grammar thread's niceness. Measured (bench/features.py, SmolLM2 decoding on 2 threads of an AMD EPYC, AVX2,
 # 2 cores, while a new 300-field schema compiles): at 0 the decode's median gap rose from about 0.08 s to 0.27 s
 # and the schema took 2 s; at 5, 0.11 s and 5 s; at 10, 0.08 s and 10-12 s (a second with the engine idle).
@@ -69,7 +74,7 @@ class Grammars:
             scopes.popitem(last=False)
         future = self.thread.submit(scope.tenant, self._compile, compiler, guide)
         if future is None:
-            raise ValueError(f"{COMPILES} guides of this tenant are waiting to compile; retry when they are done")
+            raise Busy(f"{COMPILES} guides of this tenant are waiting to compile; retry when they are done")
         return future
 
     def set_shares(self, shares: dict[str, float]) -> None:

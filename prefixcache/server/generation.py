@@ -168,9 +168,8 @@ class Generation:
     async def _next(self) -> Update:
         u = await self.handle.updates.get()
         if u.error is not None:
-            status = 500 if u.internal else 400
-            self.close(status)
-            raise ApiError(status, u.error)
+            self.close(u.status)
+            raise ApiError(u.status, u.error, retry_after=1 if u.status == 429 else None)
         s = self.samples[u.index]
         s.token_times.append(u.time)
         self.report = s.report = u.report

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.scope import CacheScope
 from prefixcache.engine.engine import Engine, StepFailed
+from prefixcache.engine.grammar import Busy
 from prefixcache.engine.sequence import Fault, RequestOutput, SamplingParams, Sequence, TokenLogprob
 
 log = logging.getLogger("prefixcache.engine")
@@ -52,7 +53,7 @@ class Update:
     report: Report | None = None  # None on an error
     output: RequestOutput | None = None  # set on the last update
     error: str | None = None  # the engine refused the request (ValueError) or failed
-    internal: bool = False  # the error is the engine's fault, not the client's
+    status: int = 400  # of the error: 400 the request's fault, 429 its tenant's work waiting, 500 the engine's
     index: int = 0  # which of the request's samples this is about
     logprobs: tuple[TokenLogprob, ...] = ()  # of the token this update added, when asked for
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # with a sample's first token, when asked for
@@ -108,11 +109,12 @@ class EngineWorker:
             try:
                 handle.seqs = self.engine.add_request(prompt, params, scope, breakpoints).samples
             except ValueError as e:
-                self._deliver(handle, Update("", time.monotonic(), error=str(e)))
+                self._deliver(handle, Update("", time.monotonic(), error=str(e), status=429 if isinstance(e, Busy)
+                                             else 400))
                 return
             except Exception:
                 log.exception("add_request failed")
-                self._deliver(handle, Update("", time.monotonic(), error="internal engine error", internal=True))
+                self._deliver(handle, Update("", time.monotonic(), error="internal engine error", status=500))
                 return
             for seq in handle.seqs:
                 self.live[seq.id] = handle
@@ -209,7 +211,8 @@ class EngineWorker:
                 self.engine.abort(s)
                 self.live.pop(s.id, None)
             fault = seq.fault or Fault("internal engine error", internal=True)
-            self._deliver(handle, Update("", time.monotonic(), error=fault.message, internal=fault.internal))
+            status = 500 if fault.internal else 400
+            self._deliver(handle, Update("", time.monotonic(), error=fault.message, status=status))
 
     def _publish(self, touched: list[Sequence]) -> None:
         """Hand the sequences' new tokens (and, when done, their outputs) to their handlers; a request that failed

@@ -11,7 +11,7 @@ from prefixcache import LLM, SamplingParams
 from prefixcache.cache.scope import CacheScope
 from prefixcache.config import default_model_path
 from prefixcache.engine.engine import Engine
-from prefixcache.engine.grammar import Grammars, Guide
+from prefixcache.engine.grammar import Busy, Grammars, Guide
 from prefixcache.models.loader import converted_folder
 from prefixcache.prompt import call_schema, tool_calls
 
@@ -157,7 +157,7 @@ def test_a_tenant_with_too_many_guides_waiting_is_refused_and_others_are_not(tin
     seqs = [guided(e, "a", "a0")]
     assert entered.wait(30)
     seqs += [guided(e, "a", "a1"), guided(e, "a", "a2")]
-    with pytest.raises(ValueError, match="2 guides of this tenant are waiting to compile"):
+    with pytest.raises(Busy, match="2 guides of this tenant are waiting to compile"):  # the server's 429
         guided(e, "a", "a3")
     seqs.append(guided(e, "b", "b0"))
     release.set()
