@@ -4,6 +4,7 @@ unchanged while tenant a attacks. A real server on the default model; the engine
 order of events matters (Pause), so nothing depends on timing."""
 import json
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -194,3 +195,8 @@ def test_b_streams_unchanged_while_a_attacks(srv):
     assert flooded == [quiet] * 3
     assert set(statuses[:len(attacks)]) == {400}
     assert rss_high_water() - high < 512 << 20
+
+
+def test_the_readme_states_the_caps():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert caps.markdown(Config().max_num_seqs, ServeConfig.max_body_bytes) in readme

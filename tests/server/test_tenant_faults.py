@@ -85,7 +85,7 @@ REACH_THE_ENGINE = [  # each ends with a 400 or an answer, never a 500 or anothe
     ({"temperature": 1e-30}, 200),
     ({"guided_regex": "[a-z]{2,6}", "n": 3, "temperature": 1.0, "seed": 3}, 200),
     ({"stop": ["\ufffd", "\u00e9"], "temperature": 0.9, "seed": 4}, 200),
-    ({"logit_bias": {str(t): -100 for t in range(0, 49152, 5)}, "min_tokens": 4, "stop_token_ids": [2]}, 200),
+    ({"logit_bias": {str(t): -100 for t in range(0, 1500, 5)}, "min_tokens": 4, "stop_token_ids": [2]}, 200),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, 400),
 ]
 
