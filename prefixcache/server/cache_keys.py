@@ -30,20 +30,20 @@ class KeysRequest(Strict):
 async def cache_keys(request: Request, req: KeysRequest, caller: Principal = Depends(authenticated)):
     server = current(request)
     tokenizer = server.tokenizer
-    try:
-        body = {"/v1/messages": MessagesRequest, "/v1/chat/completions": ChatRequest,
-                "/v1/completions": CompletionRequest}[req.path].model_validate(req.body)
-    except ValidationError as e:
-        raise invalid([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
 
-    def prepare() -> list[int]:
+    def prepare() -> tuple[list[int], str]:
+        try:
+            body = {"/v1/messages": MessagesRequest, "/v1/chat/completions": ChatRequest,
+                    "/v1/completions": CompletionRequest}[req.path].model_validate(req.body)
+        except ValidationError as e:
+            raise invalid([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
         if isinstance(body, MessagesRequest):
-            return build_prompt(tokenizer, body)[0].token_ids
+            return build_prompt(tokenizer, body)[0].token_ids, body.salt
         if isinstance(body, ChatRequest):
-            return body.rendered(tokenizer).token_ids
-        return completion_prompt(tokenizer, body, server.engine.max_model_len)
+            return body.rendered(tokenizer).token_ids, body.salt
+        return completion_prompt(tokenizer, body, server.engine.max_model_len), body.salt
 
-    prompt = await server.prepare(caller, prepare)
+    prompt, salt = await server.prepare(caller, prepare)
     server.check_context(prompt, param="body")
-    scope = caller.scope(body.salt)
+    scope = caller.scope(salt)
     return {"block_size": server.engine.config.block_size, "keys": server.engine.cache.prefix_keys(prompt, scope)}
