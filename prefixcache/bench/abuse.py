@@ -22,14 +22,15 @@ from prefixcache.bench.noisy import p90
 from prefixcache.bench.server import ADMIN_KEY, LocalServer, ServerOptions
 from prefixcache.config import default_model_path
 from prefixcache.models.cpu import cpu_info
+from prefixcache.server.caps import MAX_STRING
 
 PROMPT = {"model": "default", "prompt": "hi", "max_tokens": 4}
 MESSAGES = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 ASK = {"model": "default", "messages": [{"role": "user", "content": "Count from one to thirty in words."}],
        "max_tokens": 32, "temperature": 0, "stream": True}
-BIG = "tenant " * ((1 << 20) // 7)  # a string prompt of 1 MiB, the cap on any one string
+BIG = "tenant " * (MAX_STRING // 7)  # a string prompt at the cap on any one string
 HOG = [("/v1/completions", {**PROMPT, "max_tokens": 256, "ignore_eos": True, "stream": True})]
-KEYS_IDS = {"path": "/v1/completions", "body": {**PROMPT, "prompt": [1000 + i % 39000 for i in range(600_000)]}}
+KEYS_IDS = {"path": "/v1/completions", "body": {**PROMPT, "prompt": [1000 + i % 39000 for i in range(140_000)]}}
 ATTACKS = {  # name -> (a's concurrent clients, the requests each sends in turn)
     "n bomb": (4, [("/v1/completions", {**PROMPT, "n": 100_000_000})]),
     "bad_words bomb": (4, [("/v1/completions", {**PROMPT, "bad_words": ["word"] * 100_000}),
@@ -37,9 +38,9 @@ ATTACKS = {  # name -> (a's concurrent clients, the requests each sends in turn)
     "stop_sequences bomb": (4, [("/v1/messages", {**MESSAGES, "stop_sequences": ["s"] * 100_000})]),
     "capacity hog, at capacity": (80, HOG),  # max_num_seqs + max_queue, the server's defaults
     "capacity hog, over it": (96, HOG),
-    "1 MiB prompts": (4, [("/v1/completions", {**PROMPT, "prompt": BIG})]),
-    "cache keys bomb, token ids": (4, [("/v1/cache/keys", KEYS_IDS)]),  # 3.6 MB: under the 4 MiB body cap
-    "cache keys bomb, 1 MiB prompt": (4, [("/v1/cache/keys", {"path": "/v1/completions",
+    "prompts at the string cap": (4, [("/v1/completions", {**PROMPT, "prompt": BIG})]),
+    "cache keys bomb, token ids": (4, [("/v1/cache/keys", KEYS_IDS)]),  # 0.9 MB: under the 1 MiB body cap
+    "cache keys bomb, a prompt at the string cap": (4, [("/v1/cache/keys", {"path": "/v1/completions",
                                                               "body": {**PROMPT, "prompt": BIG}})]),
 }
 

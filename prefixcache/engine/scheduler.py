@@ -5,7 +5,8 @@ cache/shares.py `guarantees`): a tenant with a request waiting and fewer slots t
 tenant furthest over its own part (whose newest sequences are preempted, their computed blocks kept cached), and
 memory pressure preempts the newest sequence of the tenant holding the most KV blocks over its part of the pool. A
 request that does not fit (slots or memory) is passed over, not waited for, until it has been passed over
-`fairness_steps` times; then it goes first and nothing overtakes it.
+`fairness_steps` times; then it goes first and nothing overtakes it (unless its tenant holds its part while another
+waits below its own).
 """
 import time
 from collections import Counter, deque
@@ -172,15 +173,17 @@ class Scheduler:
             held[seq.scope.tenant] += 1 + len(seq.forks)
         return held
 
+    def _ready(self) -> list[Sequence]:
+        """The waiting requests whose tier lookups and grammars are ready, in arrival order."""
+        return [s for s in sorted(self.waiting, key=lambda s: s.arrival) if self.blocks.ready(s) and s.grammar is None]
+
     def _rebalance(self) -> None:
         """Give each ready waiting request whose tenant holds less than its part of the running slots a slot: a free
         one, or one preempted from the tenant running furthest over its part. A tenant at its part claims nothing."""
         runs = self._slots()
         held = Counter(runs)  # and the slots claimed below
         free = self.max_num_seqs - sum(runs.values())
-        for seq in sorted(self.waiting, key=lambda s: s.arrival):
-            if not self.blocks.ready(seq) or seq.grammar is not None:
-                continue
+        for seq in self._ready():
             tenant, need = seq.scope.tenant, 1 + len(seq.forks)
             held[tenant] += 0  # counted among the tenants sharing the slots
             fair = guarantees(held, self.shares, self.max_num_seqs)
@@ -241,8 +244,7 @@ class Scheduler:
         over the tenant's part of the slots), so one tenant's flood of requests cannot starve another's; then the
         longest cached prefix, then arrival. A request whose lookup in the KV tiers below memory, or whose grammar,
         is not ready waits for it, without taking a turn."""
-        ready = [s for s in sorted(self.waiting, key=lambda s: s.arrival)
-                 if self.blocks.ready(s) and s.grammar is None]
+        ready = self._ready()
         turn = self._slots()
         for seq in ready:
             turn[seq.scope.tenant] += 0

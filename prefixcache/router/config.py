@@ -13,7 +13,7 @@ class RouterConfig:
     policy: Policy = field(default_factory=Policy)
     health_interval: float = 1.0  # seconds between health checks of every replica
     max_retries: int = 2  # further replicas tried when one fails before answering
-    max_body_bytes: int = 4 << 20  # as the replicas' --max-body-bytes: larger bodies get 413 here
+    max_body_bytes: int = 1 << 20  # as the replicas' --max-body-bytes: larger bodies get 413 here
     max_model_len: int = 32768  # the replicas' context (tokens): a request's keys beyond it in blocks are not held
     max_pending_keys: int = 100_000  # routed requests' keys held before their events come, over all requests
     redis_password: str | None = field(default=None, repr=False)  # from a file or the environment (cli.py)

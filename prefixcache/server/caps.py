@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-MAX_STRING = 1 << 20  # characters of any one string (a prompt, a message's text, a tool's description)
+MAX_STRING = 1 << 19  # characters of any one string (a prompt, a message's text, a tool's description)
 MAX_WORD = 256  # characters of a stop string, a bad word, a guided choice
 MAX_STOP = 4  # OpenAI's stop strings (as OpenAI allows)
 MAX_STOP_SEQUENCES = 16  # Anthropic's stop_sequences

@@ -168,7 +168,7 @@ def test_b_streams_unchanged_while_a_attacks(srv):
                ("/v1/messages", {**MESSAGES, "stop_sequences": ["s"] * 100_000}),
                ("/v1/completions", {**PROMPT, "allowed_token_ids": list(range(100_000))}),
                ("/v1/completions", {**PROMPT, "prompt": list(range(100, 400_000))}),
-               ("/v1/completions", {**PROMPT, "prompt": "tenant " * 140_000})]
+               ("/v1/completions", {**PROMPT, "prompt": "tenant " * (caps.MAX_STRING // 7)})]
     statuses = []
     stop = threading.Event()
 
@@ -193,7 +193,7 @@ def test_b_streams_unchanged_while_a_attacks(srv):
         stop.set()
         attacker.join()
     assert flooded == [quiet] * 3
-    assert set(statuses[:len(attacks)]) == {400}
+    assert all(s in (400, 413) for s in statuses[:len(attacks)]), statuses[:len(attacks)]
     assert rss_high_water() - high < 512 << 20
 
 
