@@ -4,8 +4,6 @@ Model names: a request may name the served model (e.g. "SmolLM2-135M-Instruct.Q4
 else is a 404 in that API's format.
 """
 import asyncio
-import json
-import logging
 import signal
 import threading
 from contextlib import asynccontextmanager
@@ -17,12 +15,10 @@ from starlette.exceptions import HTTPException
 from prefixcache.server import admin, anthropic, cache_keys, openai, tokens
 from prefixcache.server.config import ServeConfig
 from prefixcache.server.errors import ApiError, invalid
-from prefixcache.server.middleware import BodyLimit, MetricsPort
+from prefixcache.server.middleware import Admission, BodyLimit, MetricsPort
 from prefixcache.server.oidc import OidcConfig, OidcVerifier
 from prefixcache.server.state import Server, load_engine
 from prefixcache.server.worker import EngineWorker
-
-log = logging.getLogger("prefixcache.request")
 
 
 def create_app(cfg: ServeConfig) -> FastAPI:
@@ -44,6 +40,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="prefixcache", lifespan=lifespan)
     app.state.server = server
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
+    app.add_middleware(Admission, server=server)  # outside the body limit: it runs first
     if cfg.metrics_port:
         app.add_middleware(MetricsPort, port=cfg.metrics_port)
     app.include_router(admin.router)
@@ -66,9 +63,6 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        api = "anthropic" if request.url.path.startswith("/v1/messages") else "openai"
-        server.metrics.status(api, e.status)
-        log.info(json.dumps({"api": api, "path": request.url.path, "status": e.status, "error": e.message}))
-        return e.anthropic() if api == "anthropic" else e.openai()
+        return server.refusal(request.url.path, e)
 
     return app

@@ -1,7 +1,32 @@
-"""The ASGI layers in front of both APIs: the request body limit, and the metrics port's one route."""
+"""The ASGI layers in front of both APIs: the caller's admission, the request body limit, and the metrics port's one
+route."""
+from starlette.requests import Request
+
 from prefixcache.server.errors import ApiError
 
 METRICS_PORT = "prefixcache.metrics_port"  # in a request's scope: it came in on --metrics-port
+CHARGED = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/tokenize", "/detokenize",
+           "/v1/completions/render", "/v1/chat/completions/render"}  # the routes that take a Depends(principal)
+
+
+class Admission:
+    """Authenticates a request to a CHARGED route and takes one request from its tenant's rate limit from the headers
+    alone, before the body is read: a bad credential is a 401 whatever the body, and a tenant over its limit costs the
+    server its headers, not the parsing of its body. The caller goes on in the request's state (state.principal)."""
+
+    def __init__(self, app, server):
+        self.app, self.server = app, server  # server: state.Server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in CHARGED:
+            return await self.app(scope, receive, send)
+        try:
+            caller = self.server.auth(Request(scope))
+            self.server.charge(caller)
+        except ApiError as e:
+            return await self.server.refusal(scope["path"], e)(scope, receive, send)
+        scope.setdefault("state", {})["principal"] = caller
+        return await self.app(scope, receive, send)
 
 
 class MetricsPort:

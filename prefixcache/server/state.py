@@ -4,10 +4,12 @@ Routes reach it through `current(request)`, typed; a Generation gets from it onl
 """
 import asyncio
 import json
+import logging
 import os
 from typing import Callable, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from prefixcache.cache.fair import FairThread
 from prefixcache.cache.policy import Breakpoint
@@ -24,6 +26,8 @@ from prefixcache.server.metrics import Metrics
 from prefixcache.server.oidc import OidcVerifier
 from prefixcache.server.principal import Principal
 from prefixcache.server.worker import EngineWorker
+
+log = logging.getLogger("prefixcache.request")
 
 MODEL_ALIAS = "default"
 PREPARING = 16  # requests of one tenant waiting to be rendered and tokenized; past it, 429
@@ -81,6 +85,13 @@ class Server:
 
     def auth(self, request: Request) -> Principal:
         return authenticate(self.keys, request.headers, self.oidc)
+
+    def refusal(self, path: str, e: ApiError) -> JSONResponse:
+        """An error in the format of the API at `path`, counted and logged."""
+        api = "anthropic" if path.startswith("/v1/messages") else "openai"
+        self.metrics.status(api, e.status)
+        log.info(json.dumps({"api": api, "path": path, "status": e.status, "error": e.message}))
+        return e.anthropic() if api == "anthropic" else e.openai()
 
     def check_context(self, prompt: list[int], param: str = "messages") -> None:
         if len(prompt) >= self.engine.max_model_len:
@@ -155,8 +166,8 @@ def authenticated(request: Request) -> Principal:
 
 
 def principal(request: Request) -> Principal:
-    """FastAPI dependency: the caller, charged one request of its rate limit (so a request refused for its body is
-    charged too)."""
-    who = authenticated(request)
-    current(request).charge(who)
-    return who
+    """FastAPI dependency: the caller, authenticated and charged one request of its rate limit by the Admission layer
+    before the body was read (so a request refused for its body is charged too)."""
+    caller = getattr(request.state, "principal", None)
+    assert caller is not None, f"{request.url.path} takes a principal: it belongs in middleware.CHARGED"
+    return caller

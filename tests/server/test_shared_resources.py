@@ -3,6 +3,7 @@ the admission gate shared by tenant; rate limits per tenant that count refused r
 unchanged while tenant a attacks. A real server on the default model; the engine is held between steps where the
 order of events matters (Pause), so nothing depends on timing."""
 import json
+import socket
 import threading
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from prefixcache.server.config import ServeConfig
 from prefixcache.server.state import PREPARING
 
 KEYS = {"sk-a": {"tenant": "a"}, "sk-b": {"tenant": "b"}, "sk-m1": {"tenant": "m", "rpm": 2},
-        "sk-m2": {"tenant": "m", "rpm": 5}, "sk-r": {"tenant": "r", "rpm": 2}}
+        "sk-m2": {"tenant": "m", "rpm": 5}, "sk-r": {"tenant": "r", "rpm": 2}, "sk-h": {"tenant": "h", "rpm": 1}}
 A, B = {"Authorization": "Bearer sk-a"}, {"Authorization": "Bearer sk-b"}
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 PROMPT = {"model": "default", "prompt": "hi", "max_tokens": 4}
@@ -143,6 +144,17 @@ def test_rate_limits_are_the_tenants_and_refused_requests_count(srv):
     r = {"Authorization": "Bearer sk-r"}
     assert [post(srv, "/v1/chat/completions", {**CHAT, "n": 0}, r).status_code for _ in range(2)] == [400, 400]
     assert post(srv, "/v1/chat/completions", CHAT, r).status_code == 429
+
+
+def test_a_tenant_over_its_limit_gets_the_429_before_its_body_is_read(srv):
+    """Tenant h (1 request a minute) declares a 900 kB body and sends none of it: the 429 comes from its headers
+    alone, so a flood over the limit costs the server no parsing (the body used to be read and parsed first)."""
+    assert post(srv, "/v1/chat/completions", CHAT, {"Authorization": "Bearer sk-h"}).status_code == 200
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-h\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 900000\r\n\r\n{")
+        assert s.recv(4096).split(b"\r\n")[0] == b"HTTP/1.1 429 Too Many Requests"
 
 
 def rss_high_water() -> int:
