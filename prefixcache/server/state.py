@@ -30,7 +30,6 @@ from prefixcache.server.worker import EngineWorker
 log = logging.getLogger("prefixcache.request")
 
 MODEL_ALIAS = "default"
-PREPARING = 16  # requests of one tenant waiting to be rendered and tokenized; past it, 429
 T = TypeVar("T")
 
 
@@ -69,7 +68,8 @@ class Server:
         self.limits = RateLimits()
         self.shares: dict[str, float] = {}  # tenant -> cache_share: its weight at the admission gate and in the engine
         # rendering and tokenizing, off the event loop (the tokenizer lets go of the GIL), taken by tenant weight
-        self.preparer = FairThread("prepare", PREPARING)
+        # one tenant may have as many requests waiting there as the server holds in flight; past that, 429
+        self.preparer = FairThread("prepare", cfg.engine.max_num_seqs + cfg.max_queue)
         self.draining = False  # after SIGTERM: running requests finish, new ones get 503 (server/serve.py)
 
     def reload_keys(self) -> None:
@@ -100,11 +100,11 @@ class Server:
 
     async def prepare(self, principal: Principal, fn: Callable[[], T]) -> T:
         """fn() (a request's rendering, tokenizing and sampling parameters) on the preparing thread, in its tenant's
-        turn; a 429 if the tenant already has PREPARING requests waiting there."""
+        turn; a 429 if the tenant already has as many requests waiting there as the server holds in flight."""
         future = self.preparer.submit(principal.tenant, fn)
         if future is None:
-            raise ApiError(429, f"tenant {principal.tenant!r} has {PREPARING} requests waiting to be tokenized; "
-                                "retry later", code="rate_limit_exceeded", retry_after=1)
+            raise ApiError(429, f"tenant {principal.tenant!r} has {self.preparer.jobs.bound} requests waiting to be "
+                                "tokenized; retry later", code="rate_limit_exceeded", retry_after=1)
         return await asyncio.wrap_future(future)
 
     def charge(self, principal: Principal, tokens: int = 0) -> None:

@@ -15,7 +15,6 @@ from server_fixtures import Pause, _start, until
 from prefixcache.config import Config
 from prefixcache.server import caps
 from prefixcache.server.config import ServeConfig
-from prefixcache.server.state import PREPARING
 
 KEYS = {"sk-a": {"tenant": "a"}, "sk-b": {"tenant": "b"}, "sk-m1": {"tenant": "m", "rpm": 2},
         "sk-m2": {"tenant": "m", "rpm": 5}, "sk-r": {"tenant": "r", "rpm": 2}, "sk-h": {"tenant": "h", "rpm": 1}}
@@ -116,12 +115,15 @@ def test_a_tenant_holding_every_slot_gets_the_429_and_a_newcomer_enters(srv):
 
 
 def test_rendering_and_tokenizing_run_off_the_event_loop_in_turns_by_tenant(srv):
-    """The preparing thread held by a job of tenant a's, with PREPARING more of a's waiting (each holding the thread
-    until released): a's next request gets the 429, and b's request is not refused and is served before a's backlog."""
+    """The preparing thread held by a job of tenant a's, with its bound (the capacity, 4) more of a's waiting (each
+    holding the thread until released): a's next request gets the 429, and b's request is not refused and is served
+    before a's backlog."""
     preparer, held, fillers_go, ran = srv.server.preparer, threading.Event(), threading.Event(), []
     preparer.submit("a", held.wait)
     until(lambda: "a" not in preparer.jobs.queues)  # the thread holds it
-    assert all(preparer.submit("a", lambda i=i: (fillers_go.wait(), ran.append(i))) for i in range(PREPARING))
+    bound = preparer.jobs.bound
+    assert bound == MAX_NUM_SEQS + MAX_QUEUE
+    assert all(preparer.submit("a", lambda i=i: (fillers_go.wait(), ran.append(i))) for i in range(bound))
     assert post(srv, "/v1/chat/completions", CHAT, A).status_code == 429
     b: list[int] = []
     asker = threading.Thread(target=lambda: b.append(post(srv, "/tokenize", {"model": "default", "prompt": "hi"},
@@ -132,7 +134,7 @@ def test_rendering_and_tokenizing_run_off_the_event_loop_in_turns_by_tenant(srv)
     asker.join(60)
     assert b == [200] and ran == []  # served while a's backlog still waited
     fillers_go.set()
-    until(lambda: len(ran) == PREPARING)
+    until(lambda: len(ran) == bound)
 
 
 def test_rate_limits_are_the_tenants_and_refused_requests_count(srv):
