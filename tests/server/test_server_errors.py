@@ -190,9 +190,10 @@ def test_a_client_that_hangs_up_while_queued_is_dropped():
 
 def test_a_body_over_the_limit_gets_413_before_it_is_parsed(srv):
     big = {**CHAT, "messages": [{"role": "user", "content": "x" * (5 << 20)}]}
-    openai_error(httpx.post(f"{srv.url}/v1/chat/completions", json=big, timeout=60), 413)
-    anthropic_error(httpx.post(f"{srv.url}/v1/messages", json={**MESSAGES, "messages": big["messages"]}, timeout=60),
-                    413, "request_too_large")
+    openai_error(httpx.post(f"{srv.url}/v1/chat/completions", json=big, headers=ACME, timeout=60), 413)
+    anthropic_error(httpx.post(f"{srv.url}/v1/messages", json={**MESSAGES, "messages": big["messages"]}, headers=ACME,
+                               timeout=60), 413, "request_too_large")
+    openai_error(httpx.post(f"{srv.url}/v1/chat/completions", json=big, timeout=60), 401)  # no key: before the body
 
     def chunked():  # no Content-Length: the limit holds while reading
         yield b'{"model": "default", "messages": [{"role": "user", "content": "'
@@ -200,7 +201,7 @@ def test_a_body_over_the_limit_gets_413_before_it_is_parsed(srv):
             yield b"x" * (1 << 20)
         yield b'"}]}'
     openai_error(httpx.post(f"{srv.url}/v1/chat/completions", content=chunked(), timeout=60,
-                            headers={"content-type": "application/json"}), 413)
+                            headers={"content-type": "application/json", **ACME}), 413)
     assert httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT, headers=ACME, timeout=60).status_code == 200
 
 
