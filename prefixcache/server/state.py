@@ -67,9 +67,10 @@ class Server:
             "num_gpu_blocks": str(engine.pool.usable_blocks)}, cfg.objectives())
         self.limits = RateLimits()
         self.shares: dict[str, float] = {}  # tenant -> cache_share: its weight at the admission gate and in the engine
-        # rendering and tokenizing, off the event loop (the tokenizer lets go of the GIL), taken by tenant weight
-        # one tenant may have as many requests waiting there as the server holds in flight; past that, 429
-        self.preparer = FairThread("prepare", cfg.engine.max_num_seqs + cfg.max_queue)
+        # rendering and tokenizing, off the event loop (the tokenizer lets go of the GIL), taken by tenant weight; one
+        # tenant may have as many requests waiting there as the server holds in flight, then 429
+        self.capacity = cfg.engine.max_num_seqs + cfg.max_queue  # requests in flight (server/gate.py)
+        self.preparer = FairThread("prepare", self.capacity)
         self.draining = False  # after SIGTERM: running requests finish, new ones get 503 (server/serve.py)
 
     def reload_keys(self) -> None:
@@ -109,8 +110,8 @@ class Server:
 
     def charge(self, principal: Principal, tokens: int = 0) -> None:
         """Take a request (tokens=0), or prompt tokens, from the tenant's rate limit; a 429 if they do not fit."""
-        wait = self.limits.take(principal.tenant, "tokens", principal.tpm, tokens) if tokens else \
-            self.limits.take(principal.tenant, "requests", principal.rpm, 1)
+        kind, limit, n = ("tokens", principal.tpm, tokens) if tokens else ("requests", principal.rpm, 1)
+        wait = self.limits.take(principal.tenant, kind, limit, n)
         if wait:
             raise ApiError(429, f"rate limit of tenant {principal.tenant!r} reached; retry in {wait} s",
                            code="rate_limit_exceeded", retry_after=wait)
@@ -136,8 +137,7 @@ class Server:
             raise ApiError(503, "server is shutting down; retry on another replica", retry_after=1)
         self.check_context(prompt)
         self.charge(principal, len(prompt))
-        if not admits(self.worker.held, principal.tenant, self.shares,
-                      self.cfg.engine.max_num_seqs + self.cfg.max_queue):
+        if not admits(self.worker.held, principal.tenant, self.shares, self.capacity):
             raise ApiError(529 if api == "anthropic" else 429, "server is over capacity; retry later", retry_after=1)
         handle = self.worker.submit(prompt, params, principal.scope(salt), list(breakpoints))
         gen = None
