@@ -106,13 +106,10 @@ def _read_gb_s() -> float:
 
 def _step_bytes(llm, b: int, ctx: int) -> int:
     """What a decode step of b sequences at context ctx must read: every layer's weights and the LM head, as the
-    step reads them (fp32, or as shipped: models/rowwise.py QUANT_ROWS), and each sequence's keys and values."""
-    from prefixcache.models.rowwise import QUANT_ROWS
-
+    step reads them (on our kernels as kept: as shipped, or fp32 panels; on torch's as tensors), and each sequence's
+    keys and values."""
     model, c = llm.engine.runner.model, llm.engine.runner.model.config
-    shipped = model.paged and b <= QUANT_ROWS[model.ops.name]
-    weights = sum(w.quant.numel() if shipped and w.quant is not None else w.shape[0] * w.shape[1] * model.embed.itemsize
-                  for w in model.gemm_weights().values())
+    weights = sum(w.nbytes if model.paged else w.numel() * w.element_size() for w in model.gemm_weights().values())
     kv = b * ctx * c.num_layers * 2 * c.num_kv_heads * c.head_dim * llm.engine.pool.k.dtype.itemsize
     return weights + kv
 
@@ -151,7 +148,7 @@ def _gemm_ms(model, rows: int, head_rows: int, repeats: int = REPEATS) -> float:
     c = model.config
     calls = [(rows, op.args) for i in range(c.num_layers) for op in model.row_ops(i) if op.name in GEMMS]
     calls += [(head_rows, (model.lm_head,))]
-    xs = [torch.randn(m, args[0].shape[1], dtype=model.embed.dtype) for m, args in calls]
+    xs = [torch.randn(m, args[0].shape[1], dtype=model.norm.dtype) for m, args in calls]
     return _median(lambda: [model.ops.linear(x, *args) for x, (m, args) in zip(xs, calls) if m], repeats) * 1e3
 
 

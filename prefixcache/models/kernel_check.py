@@ -1,12 +1,12 @@
 """What the startup probe (models/probe.py) checks of our kernels beyond the row counts (mode "kernel"): paged
 attention rows equal whatever their batch, items and block placement, and every op agrees with float64; and, at
-every start, that each weight read as shipped (models/quant.py) gives the bits of its fp32 values."""
+every start, that each weight read as shipped (models/quant.py) gives the bits of its dequantized values."""
 import torch
 import torch.nn.functional as F
 
 from prefixcache.models import paged
 from prefixcache.models.attention import Queries
-from prefixcache.models.rowwise import Packed, TorchOps
+from prefixcache.models.rowwise import TorchOps
 
 BLOCK = 16  # the probe pool's block size
 
@@ -17,15 +17,18 @@ def problems(model, gen: torch.Generator) -> list[str]:
 
 
 def shipped(model, gen: torch.Generator) -> list[str]:
-    """The weights whose blocks as shipped do not give their fp32 values' bits: 3 random rows through each weight
-    that has them, in every layer, and through its fp32 panels alone (the row counts' check is of the first layer;
-    this is of each weight's own data, so it is never cached)."""
-    bad = []
+    """The weights whose blocks as shipped do not give their dequantized values' bits: random rows through each
+    weight read as shipped, in every layer, at 1 row (dequantized in registers) and past ops.quant_rows (into
+    scratch), against the same weight dequantized (gguf's reference) into fp32 panels, one weight at a time (the row
+    counts' check is of the first layer; this is of each weight's own data, so it is never cached)."""
+    bad, ops = [], model.ops
     for name, w in model.gemm_weights().items():
-        if w.quant is not None:
-            x = torch.randn(3, w.shape[1], generator=gen)
-            if not torch.equal(model.ops.linear(x, w), model.ops.linear(x, Packed(w.panels, w.n))):
+        if w.kinds:
+            x = torch.randn(ops.quant_rows + 1, w.shape[1], generator=gen)
+            fp32 = ops.dequantized(w)
+            if not all(torch.equal(ops.linear(r, w), ops.linear(r, fp32)) for r in (x[:1], x)):
                 bad.append(name)
+            del fp32
     return bad
 
 

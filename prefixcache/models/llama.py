@@ -6,7 +6,6 @@ and the startup probe confirms it. On torch's, every row-wise op (the GEMMs, RMS
 row counts the probe verified on this CPU (models/exactness.py), and attention in calls whose query rows and keys
 it verified (models/attention.py).
 """
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,15 +35,16 @@ class Llama:
         c = self.config = weights.config
         w = weights.tensors
         self.tile = tile
+        shipped = getattr(weights, "shipped", {})  # the old loader's blocks, beside their fp32 values in `tensors`
+        w = {**w, **shipped}  # a quantized weight as the file ships it (Blocks)
         self.embed = w["model.embed_tokens.weight"]
         self.ops = ops
-        head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
-        self.lm_head = ops.prepare(w[head], weights.shipped.get(head))
+        self.lm_head = ops.prepare(w["model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"])
         self.norm = w["model.norm.weight"]
         self.layers = []
 
-        def linear(*names: str):  # weights stacked by rows, and their blocks as shipped if every one has them
-            return ops.prepare(torch.cat([w[n] for n in names]), quant.join([weights.shipped.get(n) for n in names]))
+        def linear(*names: str):  # weights stacked by rows
+            return ops.prepare([w[n] for n in names])
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -58,7 +58,7 @@ class Llama:
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
         freqs = torch.outer(torch.arange(c.max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos().to(self.embed.dtype), emb.sin().to(self.embed.dtype)  # as HF: fp32, then cast
+        self.cos, self.sin = emb.cos().to(self.norm.dtype), emb.sin().to(self.norm.dtype)  # as HF: fp32, then cast
         self.exact: Exactness = rows_plan("", "until the engine sets the probed plan")
 
     @property
@@ -71,11 +71,13 @@ class Llama:
         named = {f"{name} of layer {i}": L[name] for i, L in enumerate(self.layers) for name in LINEARS}
         return {**named, "lm_head": self.lm_head}
 
-    def drop_shipped(self) -> None:
-        """Read the fp32 panels alone from now on (weights as shipped that the startup check found wrong)."""
-        self.lm_head = dataclasses.replace(self.lm_head, quant=None, kind="")
-        for L in self.layers:
-            L.update({name: dataclasses.replace(L[name], quant=None, kind="") for name in LINEARS})
+    def drop_shipped(self, names: list[str]) -> None:
+        """Read these weights (gemm_weights' names) as fp32 panels from now on: the startup check found their blocks
+        as shipped do not give their dequantized values' bits."""
+        if "lm_head" in names:
+            self.lm_head = self.ops.dequantized(self.lm_head)
+        for i, L in enumerate(self.layers):
+            L.update({name: self.ops.dequantized(L[name]) for name in LINEARS if f"{name} of layer {i}" in names})
 
     def use(self, ops: TorchOps | KernelOps) -> None:
         """Run on other ops from now on (the torch path, when the kernels fail their startup check)."""
@@ -91,7 +93,7 @@ class Llama:
         c, eps = self.config, self.config.rms_norm_eps
         # padded once to the plan's row count: every row-wise call below then runs unpadded
         n, pad = len(batch.input_ids), self.exact.padded_rows(len(batch.input_ids)) - len(batch.input_ids)
-        x = F.embedding(F.pad(batch.input_ids, (0, pad)), self.embed)
+        x = quant.embedding(self.embed, F.pad(batch.input_ids, (0, pad)))
         positions = F.pad(batch.positions, (0, pad))
         cos, sin = self.cos[positions], self.sin[positions]
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -127,7 +129,7 @@ class Llama:
         """The step's attention calls, under this model's exactness plan (or another, for the probe)."""
         c = self.config
         return attention.plan(queries, num_tokens, self.tile, block_size, pool_slots, exact or self.exact,
-                              c.num_kv_heads, c.num_heads // c.num_kv_heads, self.embed.dtype)
+                              c.num_kv_heads, c.num_heads // c.num_kv_heads, self.norm.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._rows(self.ops.linear, hidden, self.lm_head)

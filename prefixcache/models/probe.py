@@ -37,13 +37,13 @@ from prefixcache.models.exactness import (
     row_target,
     rows_plan,
 )
-from prefixcache.models.rowwise import QUANT_ROWS, TorchOps
+from prefixcache.models.rowwise import TorchOps
 
 log = logging.getLogger(__name__)
 
 
 def probe(model, mode: str, max_rows: int, max_head_rows: int, kernel_status: str = "") -> Exactness:
-    """The plan for `model` (a Llama: row_ops(), attn_plan(), config, tile, embed, paged, use()) on this CPU, from
+    """The plan for `model` (a Llama: row_ops(), attn_plan(), config, tile, norm, paged, use()) on this CPU, from
     the cache or a probe. On our kernels it confirms them, or moves the model to the torch path and probes that.
     Never raises: a failed probe gives the rows plan, and says so."""
     assert mode in MODES, mode
@@ -64,28 +64,28 @@ def probe(model, mode: str, max_rows: int, max_head_rows: int, kernel_status: st
 
 
 def _shipped_reads(model) -> str:
-    """What the kernels read of weights as shipped, once each weight's blocks are found to give its fp32 values'
-    bits; if one does not, none is read (the fp32 panels serve every call), and the log says so."""
-    kinds = sorted({w.kind for w in model.gemm_weights().values() if w.quant is not None})
-    if not kinds:
+    """What the kernels read of weights as shipped, once each weight's blocks are found to give its dequantized
+    values' bits; a weight whose blocks do not is read as fp32 panels from then on, and the log says so."""
+    if not any(w.kinds for w in model.gemm_weights().values()):
         return ""
     bad = kernel_check.shipped(model, torch.Generator().manual_seed(3))
     if bad:
-        model.drop_shipped()
-        log.warning("prefixcache kernels: weights as shipped differ from their fp32 values (%s): not read",
+        model.drop_shipped(bad)
+        log.warning("prefixcache kernels: weights as shipped differ from their dequantized values (%s): read as fp32",
                     ", ".join(bad))
-        return f"; weights as shipped not read: {', '.join(bad[:3])} differ from their fp32 values"
     weights = model.gemm_weights().values()
-    shipped = sum(w.quant.numel() for w in weights if w.quant is not None) / 1e6
-    fp32 = sum(w.panels.numel() * w.panels.element_size() for w in weights) / 1e6
-    return (f"; calls of up to {QUANT_ROWS[model.ops.name]} rows read the weights as shipped ({'/'.join(kinds)}, "
-            f"{shipped:.0f} MB; the fp32 panels hold {fp32:.0f} MB)")
+    kinds = sorted({kind for w in weights for kind in w.kinds})
+    shipped = sum(p.data.numel() for w in weights for p in w.parts if p.kind != "F32") / 1e6
+    fp32 = sum(p.data.numel() * 4 for w in weights for p in w.parts if p.kind == "F32") / 1e6
+    return (f"; weights read as shipped ({'/'.join(kinds)}, {shipped:.0f} MB)"
+            + (f"; fp32 panels hold {fp32:.0f} MB" if fp32 else "")
+            + (f"; as fp32, for their blocks differ from their values: {', '.join(bad[:3])}" if bad else ""))
 
 
 def _cached(model, mode: str, max_rows: int, max_head_rows: int, find: Callable[..., Exactness]) -> Exactness:
     """find(model, mode, max_rows, max_head_rows, cpu), or its result cached for the same CPU, code and shapes."""
     cpu = cpu_info()
-    ops, dtype = model.row_ops(), model.embed.dtype
+    ops, dtype = model.row_ops(), model.norm.dtype
     max_rows = max(max_rows, PAD_LIMIT)  # probe the pad regime whatever the batch limit
     env = {k: v for k, v in os.environ.items() if k.startswith(("MKL_", "OMP_", "KMP_", "ONEDNN_", "DNNL_", "ATEN_"))}
     code = "".join(inspect.getsource(sys.modules[m]) for m in (__name__, exactness.__name__, type(model).__module__,
@@ -122,7 +122,7 @@ def _cached(model, mode: str, max_rows: int, max_head_rows: int, find: Callable[
 
 
 def _search(model, mode: str, max_rows: int, max_head_rows: int, cpu: str) -> Exactness:
-    dtype = model.embed.dtype
+    dtype = model.norm.dtype
     plan = choose(model.row_ops(), _attention(model, dtype), mode, max_rows, max_head_rows, dtype, cpu)
     plan.key_lengths = _key_lengths(model, dtype, plan.attn_sizes)
     return plan
@@ -133,7 +133,7 @@ def _confirm(model, mode: str, max_rows: int, max_head_rows: int, cpu: str) -> E
     row the bits it gets alone, and each agrees with float64; else mode "failed", the note saying what broke."""
     gen = torch.Generator().manual_seed(0)
     ops = model.row_ops()
-    classes = [classify(op.name, op.shape, row_target(op, max_rows + 1, model.embed.dtype, gen),
+    classes = [classify(op.name, op.shape, row_target(op, max_rows + 1, model.norm.dtype, gen),
                         list(range(1, max_head_rows + 1)) if op.head else row_counts(max_rows)) for op in ops]
     broken = [f"{c.name} differs at {c.differ[:4]} rows" for c in classes if c.differ]
     broken += kernel_check.problems(model, gen)

@@ -1,53 +1,56 @@
-"""Weights as a GGUF file ships them (Q4_1, Q8_0), laid out for our kernels.
+"""Weights as a GGUF file ships them: one weight's blocks, the kinds our kernels read, and their reference values.
 
-The engine computes in fp32, on weights the loader dequantized the GGUF way: d * q + m (Q4_1) or d * q (Q8_0),
-each product and sum rounded to fp32. The kernels can read the blocks themselves and dequantize in registers with
-the same rounding, so a GEMM over the blocks gives the fp32 panels' bits while reading 5 or 8.5 bits a weight
-instead of 32. The engine confirms the equality for every weight at start-up (models/kernel_check.py).
+A GGUF weight [n, k] of a kind below is n rows of k / block weights' blocks, each `bytes` bytes. Its fp32 values are
+what gguf.quants.dequantize gives, each product and sum rounded to fp32 in its own order. The kernels read the blocks
+as shipped (laid out by models/layouts.py) and dequantize in registers with the same roundings, so a GEMM over them
+has the bits of the same GEMM over the fp32 values; the engine confirms it for every weight at start-up
+(models/kernel_check.py).
 """
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
-BLOCK = 32  # weights per GGUF block, along k
-SHIPPED = {"Q4_1": 20, "Q8_0": 34}  # a block's bytes in the file: fp16 d (and m for Q4_1), then the q's
-LAID_OUT = {"Q4_1": 320, "Q8_0": 544}  # bytes of 16 rows' block as the kernels read it (csrc/kernels.inc)
+# weights in one block along k, and the block's bytes in the file (gguf's GGML_QUANT_SIZES)
+KINDS = {"F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+         "Q8_0": (32, 34), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176),
+         "Q6_K": (256, 210)}
+SHIPPED = KINDS  # the loader's name for them
 
 
 @dataclass
 class Blocks:
-    """One weight [n, k] as the file stores it: n rows of k / 32 blocks, in the model's row order."""
-    kind: str  # a key of SHIPPED
-    rows: torch.Tensor  # [n, k / 32 * SHIPPED[kind]] uint8
+    """One weight [n, k] as the file stores it: n rows of k / block blocks, in the model's row order."""
+    kind: str  # a key of KINDS
+    rows: torch.Tensor  # [n, k / block * bytes] uint8 (a float16 or bfloat16 weight's values are viewed as bytes)
+
+    def __post_init__(self):
+        assert self.kind in KINDS, f"{self.kind} is not a kind we read"
+        if self.rows.dtype != torch.uint8:
+            self.rows = self.rows.contiguous().view(torch.uint8)
+        assert self.rows.dim() == 2 and self.rows.shape[1] % KINDS[self.kind][1] == 0, "rows of whole blocks"
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.rows.shape[0], self.rows.shape[1] // SHIPPED[self.kind] * BLOCK
+        block, size = KINDS[self.kind]
+        return self.rows.shape[0], self.rows.shape[1] // size * block
 
 
-def join(parts: list["Blocks | None"]) -> "Blocks | None":
-    """Weights stacked by rows (as torch.cat of theirs), if each ships in one and the same kind; else None."""
-    if any(p is None or p.kind != parts[0].kind for p in parts):
-        return None
-    return Blocks(parts[0].kind, torch.cat([p.rows for p in parts]))
+def dequantize(b: Blocks) -> torch.Tensor:
+    """The weight's fp32 values [n, k], as gguf dequantizes them (the reference the kernels match)."""
+    import gguf
+
+    if b.rows.shape[0] == 0:
+        return torch.empty(b.shape)
+    values = gguf.quants.dequantize(b.rows.numpy(), gguf.GGMLQuantizationType[b.kind])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(b.shape)
 
 
-def lay_out(b: Blocks) -> torch.Tensor:
-    """[ceil(n / 16), k / 32, LAID_OUT[kind]] uint8: for each panel of 16 rows (the last padded with zero weights)
-    and each block, the 16 rows' scales as fp16 (d[16], then m[16] for Q4_1), then their q's k by k. Q4_1 puts
-    k = 2g in the low nibble and 2g + 1 in the high one of 16 bytes (one per row); Q8_0 has 16 int8 per k."""
-    n, k = b.shape
-    panels, nb, size = -(-n // 16), k // BLOCK, SHIPPED[b.kind]
-    raw = torch.cat([b.rows, b.rows.new_zeros(panels * 16 - n, b.rows.shape[1])]).view(panels, 16, nb, size)
-    by_row = raw.permute(0, 2, 1, 3)  # [panels, blocks, row, bytes of the row's block]
-    scales = [by_row[..., :2]] if b.kind == "Q8_0" else [by_row[..., :2], by_row[..., 2:4]]
-    scales = [s.reshape(panels, nb, 32) for s in scales]  # each row's fp16, row after row
-    if b.kind == "Q8_0":
-        qs = by_row[..., 2:].transpose(2, 3)  # [panels, blocks, k, row]
-    else:
-        nibbles = by_row[..., 4:]  # byte j: q(j) low, q(j + 16) high
-        q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).view(panels, nb, 16, 16, 2)  # [.., row, g, k parity]
-        qs = (q[..., 0] | (q[..., 1] << 4)).transpose(2, 3)  # [panels, blocks, g, row]
-    out = torch.cat([*scales, qs.reshape(panels, nb, -1)], dim=-1).contiguous()
-    assert out.shape[-1] == LAID_OUT[b.kind], "the kernels read blocks of LAID_OUT bytes"
-    return out
+def embedding(table: torch.Tensor | Blocks, ids: torch.Tensor) -> torch.Tensor:
+    """The rows `ids` of a table [vocab, k] as fp32 [len(ids), k]: F.embedding(ids, dequantize(table)), bit for bit,
+    dequantizing only those rows."""
+    if isinstance(table, torch.Tensor):
+        return F.embedding(ids, table)
+    rows = table.rows.index_select(0, ids.reshape(-1))
+    return dequantize(Blocks(table.kind, rows)).view(*ids.shape, table.shape[1])

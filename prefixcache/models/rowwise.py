@@ -5,40 +5,72 @@ one op, with the bits of the separate ones.
 TorchOps: torch's CPU kernels, whose results can depend on a call's row count, so the exactness probe finds the
 row counts to call them with (models/exactness.py). KernelOps: ours (prefixcache/kernels), where every output's
 arithmetic is fixed by K alone, so any row count gives the same bits; the probe confirms it.
-A weight is stored as its ops want it (`prepare`): torch's [n, k], or ours packed in panels of 16 rows.
+A weight is stored as its ops want it (`prepare`): torch's fp32 [n, k]; ours as the file ships it (GGUF blocks, laid
+out by models/layouts.py and dequantized in registers to the fp32 values' bits) or fp32 panels of 16 rows.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from prefixcache.config import ISAS
 from prefixcache.kernels import source_hash
-from prefixcache.models.quant import Blocks, lay_out
+from prefixcache.models import layouts, quant
+from prefixcache.models.quant import Blocks
 
 _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # in every x86-64 build of torch
-# calls of at most this many rows read weights as shipped, where they have them: fewer bytes, more arithmetic. On
-# a Zen 4 over every layer's weights, 1 row took 6.4-8.5 ms against the fp32 panels' 18.4-23; 8 rows 16.4-18.9
-# against 18.8-25 (avx512); the avx2 build there, 10-14 against 22-30 at 1 row, no gain at 8
-QUANT_ROWS = {"avx512": 8, "avx2": 4}
+
+Weight = torch.Tensor | Blocks  # an fp32 weight [n, k], or one as a GGUF ships it
+
+
+@dataclass
+class Part:
+    """Rows of a weight as the kernels read them (models/layouts.py): "F32" panels, or a GGUF kind's blocks."""
+    kind: str
+    data: torch.Tensor
+    n: int
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Its fp32 weights [n, k]; for blocks, as gguf dequantizes them."""
+        if self.kind == "F32":
+            return layouts.unpanel(self.data, self.n)
+        return quant.dequantize(layouts.blocks(self.kind, self.data, self.n))
 
 
 @dataclass
 class Packed:
-    """A weight [n, k] as panels of 16 rows, [ceil(n / 16), k, 16] (the last zero-padded): the kernel reads row k of
-    a panel, 16 outputs' weights, as one vector. With `quant`, the same weights as a GGUF ships them (`kind`), laid
-    out by models/quant.py: calls of few rows read those bytes instead, for the same bits."""
-    panels: torch.Tensor
-    n: int
-    quant: torch.Tensor | None = None
-    kind: str = ""
+    """A weight [n, k] for our kernels: parts stacked by rows (each but the last a multiple of 16 rows), each read as
+    it is kept. The kernel reads row k of a panel, 16 outputs' weights, as one vector."""
+    parts: list[Part]
+    k: int
+    ids: list[int] = field(default_factory=list)  # each part's kind, as the linear op numbers them
+
+    def __post_init__(self):
+        assert all(p.n % 16 == 0 for p in self.parts[:-1]), "every part but the last a multiple of 16 rows"
+        names = torch.ops.prefixcache.kinds()
+        self.ids = [names.index(p.kind) for p in self.parts]
+        self.data, self.rows = [p.data for p in self.parts], [p.n for p in self.parts]
+
+    @property
+    def n(self) -> int:
+        return sum(self.rows)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.n, self.panels.shape[1]
+        return self.n, self.k
+
+    @property
+    def kinds(self) -> list[str]:
+        """The GGUF kinds read as shipped, in part order (not F32)."""
+        return [p.kind for p in self.parts if p.kind != "F32"]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.numel() * d.element_size() for d in self.data)
 
     def unpack(self) -> torch.Tensor:
-        return self.panels.transpose(1, 2).reshape(-1, self.panels.shape[1])[:self.n].contiguous()
+        return torch.cat([p.values for p in self.parts])
 
 
 class TorchOps:
@@ -48,7 +80,12 @@ class TorchOps:
         """What decides the bits of this path's results: torch's build and the CPU its kernels dispatch on."""
         return f"torch {torch.__version__} on {cpu}"
 
-    def prepare(self, w: torch.Tensor | Packed, shipped: Blocks | None = None) -> torch.Tensor:
+    def prepare(self, w: Weight | list[Weight] | Packed) -> torch.Tensor:
+        """The fp32 weight [n, k] (weights as shipped dequantized, a list stacked by rows)."""
+        if isinstance(w, list):
+            return torch.cat([self.prepare(p) for p in w]) if len(w) > 1 else self.prepare(w[0])
+        if isinstance(w, Blocks):
+            return quant.dequantize(w)
         return w.unpack() if isinstance(w, Packed) else w
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -80,43 +117,65 @@ class TorchOps:
 class KernelOps:
     def __init__(self, isa: str):
         self.name, self.isa = isa, ISAS.index(isa)  # the ops take the build as an index into ISAS
+        self.quant_rows = torch.ops.prefixcache.quant_rows(self.isa)  # from here on, blocks dequantize into scratch
 
     def arithmetic(self, cpu: str) -> str:
         """The kernels' sources alone: every build on every CPU gives the same bits."""
         return f"prefixcache kernels {source_hash()}"
 
-    def prepare(self, w: torch.Tensor | Packed, shipped: Blocks | None = None) -> Packed:
-        """w packed in panels; with `shipped` (w's values as a GGUF stores them), those blocks laid out beside."""
+    def prepare(self, w: Weight | list[Weight] | Packed) -> Packed:
+        """w (a list: stacked by rows, as torch.cat) as the kernels read it: fp32 as panels, blocks as shipped (laid
+        out, not dequantized). Neighbours of one kind become one part."""
         if isinstance(w, Packed):
             return w
-        n, k = w.shape
-        panels = -(-n // 16)
-        packed = Packed(F.pad(w, (0, 0, 0, panels * 16 - n)).view(panels, 16, k).transpose(1, 2).contiguous(), n)
-        if shipped is not None:
-            assert shipped.shape == (n, k), "shipped blocks of another shape"
-            packed.quant, packed.kind = lay_out(shipped), shipped.kind
-        return packed
+        ws = w if isinstance(w, list) else [w]
+        runs: list[list[Weight]] = []
+        for x in ws:
+            x = x if isinstance(x, torch.Tensor) or layouts.fits(x) else quant.dequantize(x)
+            if runs and _kind(runs[-1][0]) == _kind(x):
+                runs[-1].append(x)
+            else:
+                runs.append([x])
+        parts = []
+        for run in runs:
+            if isinstance(run[0], torch.Tensor):
+                t = torch.cat(run) if len(run) > 1 else run[0]
+                parts.append(Part("F32", layouts.panels(t), t.shape[0]))
+            else:
+                b = Blocks(run[0].kind, torch.cat([r.rows for r in run])) if len(run) > 1 else run[0]
+                parts.append(Part(b.kind, layouts.lay_out(b), b.shape[0]))
+        assert len({_width(x) for x in ws}) == 1, "weights stacked by rows have one k"
+        return Packed(parts, _width(ws[0]))
+
+    def dequantized(self, w: Packed) -> Packed:
+        """The same weight as fp32 panels alone (for weights whose blocks the start-up check found wrong)."""
+        return self.prepare(w.unpack())
 
     def linear(self, x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.prefixcache.linear(x.contiguous(), weight.panels, bias, weight.n, self.isa,
-                                            residual=residual, quant=self._quant(x, weight))
+        return torch.ops.prefixcache.linear(x.contiguous(), weight.data, weight.ids, weight.rows, bias, self.isa,
+                                            residual=residual)
 
     def norm_linear(self, x: torch.Tensor, norm: torch.Tensor, eps: float, weight: Packed,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.prefixcache.linear(x.contiguous(), weight.panels, bias, weight.n, self.isa, norm, eps,
-                                            quant=self._quant(x, weight))
+        return torch.ops.prefixcache.linear(x.contiguous(), weight.data, weight.ids, weight.rows, bias, self.isa, norm,
+                                            eps)
 
     def swiglu_linear(self, gate_up: torch.Tensor, weight: Packed,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.prefixcache.linear(gate_up.contiguous(), weight.panels, None, weight.n, self.isa,
-                                            swiglu=True, residual=residual, quant=self._quant(gate_up, weight))
+        return torch.ops.prefixcache.linear(gate_up.contiguous(), weight.data, weight.ids, weight.rows, None, self.isa,
+                                            swiglu=True, residual=residual)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.ops.prefixcache.rms_norm(x.contiguous(), weight, eps, self.isa)
 
-    def _quant(self, x: torch.Tensor, weight: Packed) -> torch.Tensor | None:
-        return weight.quant if x.shape[0] <= QUANT_ROWS[self.name] else None
-
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.prefixcache.silu_mul(gate_up.contiguous(), self.isa)
+
+
+def _kind(w: Weight) -> str:
+    return "F32" if isinstance(w, torch.Tensor) else w.kind
+
+
+def _width(w: Weight) -> int:
+    return w.shape[1]

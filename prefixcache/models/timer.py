@@ -14,7 +14,7 @@ def step_ms(model, rows: int, plan: Exactness | None = None, repeats: int = 5) -
     layers = [model.row_ops(i) for i in range(model.config.num_layers)]
     ops = [op for i, layer in enumerate(layers) for op in layer if i == 0 or not op.head]
     size = plan.call_rows(rows) if plan else rows
-    xs = {op.name: torch.randn(rows, op.width).to(model.embed.dtype) for op in layers[0]}
+    xs = {op.name: torch.randn(rows, op.width).to(model.norm.dtype) for op in layers[0]}
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

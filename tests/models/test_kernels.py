@@ -77,7 +77,7 @@ def test_the_linear_op_refuses_what_it_cannot_compute():
     with pytest.raises(RuntimeError, match="residual shape"):
         ops.linear(x, pw, residual=torch.zeros(3, 31))
     with pytest.raises(RuntimeError, match="rms_norm or swiglu"):
-        torch.ops.prefixcache.linear(x, pw.panels, None, 32, ops.isa, torch.ones(16), 1e-5, True)
+        torch.ops.prefixcache.linear(x, pw.data, pw.ids, pw.rows, None, ops.isa, torch.ones(16), 1e-5, True)
 
 def test_rms_norm_and_swiglu_match_float64_and_every_row_count():
     g = torch.Generator().manual_seed(1)

@@ -38,14 +38,35 @@ constexpr int MAX_ROWS = 6;      // most attention rows a build computes in one 
 inline int64_t attn_partial(const AttnArgs& a) { return ITEM_TOKENS * (a.heads / a.kv_heads) * (a.d + 2); }
 inline int64_t attn_scratch(const AttnArgs& a) { return 2 * attn_partial(a) + MAX_ROWS * KEY_BLOCK; }
 
+// The formats a GEMM reads a weight in (models/layouts.py lays each out): fp32 panels, or a GGUF type's blocks,
+// both by panels of 16 rows. One block of a panel holds `k` weights along k of its 16 rows, in `bytes` bytes.
+struct Kind {
+  const char* name;
+  int64_t k, bytes;
+};
+constexpr Kind KINDS[] = {{"F32", 1, 64},       {"F16", 2, 64},       {"BF16", 2, 64},      {"Q4_0", 32, 288},
+                          {"Q4_1", 32, 320},    {"Q5_0", 32, 352},    {"Q5_1", 32, 384},    {"Q8_0", 32, 544},
+                          {"Q2_K", 256, 1344},  {"Q3_K", 256, 1824},  {"Q4_K", 256, 2368},  {"Q5_K", 256, 2880},
+                          {"Q6_K", 256, 3360}};
+constexpr int NUM_KINDS = sizeof(KINDS) / sizeof(KINDS[0]);
+
+// One part of a GEMM's weight, rows stacked by parts: y[:, its columns] = x @ part.T (+ bias) (+ residual)
+struct GemmArgs {
+  const float* x;     // [m, k]
+  int64_t m, k;
+  const void* w;      // the part's n rows: [ceil(n / 16), k / kind's k, kind's bytes]
+  int64_t n;
+  const float* bias;  // [n], or null
+  const float* res;   // [m, ldy] from the part's first column, or null
+  float* y;           // [m, ldy] from the part's first column
+  int64_t ldy;
+};
+
 #define PC_DECLARE(ns)                                                                                         \
   namespace ns {                                                                                               \
-  void linear(const float* x, int64_t m, int64_t k, const float* packed, const float* bias, const float* res,  \
-              float* y, int64_t n, int64_t p0, int64_t p1);                                                    \
-  void linear_q4_1(const float* x, int64_t m, int64_t k, const uint8_t* q, const float* bias, const float* res,  \
-                   float* y, int64_t n, int64_t p0, int64_t p1);                                               \
-  void linear_q8_0(const float* x, int64_t m, int64_t k, const uint8_t* q, const float* bias, const float* res,  \
-                   float* y, int64_t n, int64_t p0, int64_t p1);                                               \
+  int64_t gemm_scratch(int kind, int64_t m);                                                                   \
+  void gemm(int kind, const GemmArgs& a, float* scratch, int64_t p0, int64_t p1);                              \
+  int64_t quant_rows();                                                                                        \
   void rms_norm(const float* x, const float* w, float* y, int64_t k, float eps, int64_t r0, int64_t r1);       \
   void silu_mul(const float* gate_up, float* y, int64_t i, int64_t r0, int64_t r1);                            \
   void attend(const AttnArgs& a, float* scratch, int64_t u0, int64_t u1);                                      \

@@ -1,5 +1,5 @@
-// torch ops prefixcache::{supported, linear, rms_norm, silu_mul, rope_store, attend}: argument checks, threads, and
-// the ISA build each call names. Threads split panels, rows or attention units, never a reduction.
+// torch ops prefixcache::{supported, kinds, quant_rows, linear, rms_norm, silu_mul, rope_store, attend}: argument
+// checks, threads, and the ISA build each call names. Threads split panels, rows or attention units, never a reduction.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,18 +15,18 @@ namespace {
 struct Isa {
   const char* name;
   decltype(&avx2::rope_store) rope_store;
-  decltype(&avx2::linear) linear;
-  decltype(&avx2::linear_q4_1) linear_q4_1;
-  decltype(&avx2::linear_q8_0) linear_q8_0;
+  decltype(&avx2::gemm) gemm;
+  decltype(&avx2::gemm_scratch) gemm_scratch;
+  decltype(&avx2::quant_rows) quant_rows;
   decltype(&avx2::rms_norm) rms_norm;
   decltype(&avx2::silu_mul) silu_mul;
   decltype(&avx2::attend) attend;
   decltype(&avx2::attend_spans) attend_spans;
   decltype(&avx2::attend_merge) attend_merge;
 };
-const Isa AVX512{"avx512", avx512::rope_store, avx512::linear, avx512::linear_q4_1, avx512::linear_q8_0,
+const Isa AVX512{"avx512", avx512::rope_store, avx512::gemm, avx512::gemm_scratch, avx512::quant_rows,
                  avx512::rms_norm, avx512::silu_mul, avx512::attend, avx512::attend_spans, avx512::attend_merge};
-const Isa AVX2{"avx2", avx2::rope_store, avx2::linear, avx2::linear_q4_1, avx2::linear_q8_0, avx2::rms_norm,
+const Isa AVX2{"avx2", avx2::rope_store, avx2::gemm, avx2::gemm_scratch, avx2::quant_rows, avx2::rms_norm,
                avx2::silu_mul, avx2::attend, avx2::attend_spans, avx2::attend_merge};
 bool supports(const char* name) {
   __builtin_cpu_init();
@@ -79,20 +79,49 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) {
   return y;
 }
 
-// x' @ w.T (+ bias) (+ residual [m, n]) for w packed by panels of 16 rows, [ceil(n / 16), k, 16], where x' is x,
-// rms_norm(x, norm) or (swiglu) silu_mul(x): one op with the bits of the separate ones, each result rounded as
-// they round it (the residual added after the bias, as torch adds it to the op's result). quant: the same weights
-// as GGUF ships them (models/quant.py), read instead of packed: they dequantize to packed's values, the same bits.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
-                  int64_t isa, const c10::optional<at::Tensor>& norm, double eps, bool swiglu,
-                  const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& quant) {
-  check_f32(packed, "packed");
+// the weight formats (kernels.h KINDS), by the index the linear op takes
+std::vector<std::string> kinds() {
+  std::vector<std::string> names;
+  for (const Kind& kind : KINDS) names.push_back(kind.name);
+  return names;
+}
+
+// rows from which a call dequantizes into scratch rather than in registers (the same bits either way)
+int64_t quant_rows(int64_t isa) { return pick(isa).quant_rows(); }
+
+// x' @ w.T (+ bias) (+ residual [m, n]) where x' is x, rms_norm(x, norm) or (swiglu) silu_mul(x): one op with the bits
+// of the separate ones, each result rounded as they round it (the residual added after the bias, as torch adds it
+// to the op's result). w is stacked by rows from parts, each rows[i] rows in the format kinds[i] (kernels.h KINDS):
+// fp32 panels [ceil(rows / 16), k, 16], or a GGUF type's blocks as models/layouts.py lays them out, read as shipped
+// and dequantized to the fp32 weights' values, bit for bit. Every part's rows but the last are a multiple of 16.
+at::Tensor linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kind_ids, at::IntArrayRef rows,
+                  const c10::optional<at::Tensor>& bias, int64_t isa, const c10::optional<at::Tensor>& norm, double eps,
+                  bool swiglu, const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(!(norm.has_value() && swiglu), "linear: rms_norm or swiglu, not both");
+  TORCH_CHECK(!parts.empty() && kind_ids.size() == parts.size() && rows.size() == parts.size(),
+              "linear: one kind and one row count per part");
   const at::Tensor in = norm.has_value() ? rms_norm(x, *norm, eps, isa) : swiglu ? silu_mul(x, isa) : x;
   check_f32(in, "x");
-  TORCH_CHECK(in.dim() == 2 && packed.dim() == 3 && packed.size(2) == 16 && packed.size(1) == in.size(1) &&
-                  packed.size(0) == (n + 15) / 16, "linear: shapes do not match");
-  const int64_t m = in.size(0), kk = in.size(1), panels = packed.size(0);
+  TORCH_CHECK(in.dim() == 2, "linear: x must be [rows, k]");
+  const int64_t m = in.size(0), kk = in.size(1);
+  std::vector<int64_t> first_panel{0};  // each part's first panel of the stacked weight, then the total
+  int64_t n = 0;
+  for (size_t i = 0; i < parts.size(); i++) {
+    const int64_t kind = kind_ids[i], r = rows[i];
+    TORCH_CHECK(kind >= 0 && kind < NUM_KINDS, "linear: unknown weight kind ", kind);
+    TORCH_CHECK(r > 0 && (r % 16 == 0 || i + 1 == parts.size()), "linear: a part's rows must be a multiple of 16 "
+                "but the last's");
+    const at::Tensor& w = parts[i];
+    const Kind& f = KINDS[kind];
+    if (kind == 0) check_f32(w, "an F32 part");
+    else TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "linear: a ", f.name, " part must be uint8");
+    TORCH_CHECK(w.dim() == 3 && w.size(0) == (r + 15) / 16 && kk % f.k == 0 && w.size(1) == kk / f.k &&
+                    w.size(2) * w.element_size() == f.bytes,
+                "linear: a ", f.name, " part must be [ceil(rows / 16), k / ", f.k, ", ", f.bytes, " bytes] for k = ", kk,
+                ", got ", w.sizes());
+    n += r;
+    first_panel.push_back(first_panel.back() + w.size(0));
+  }
   const float *b = nullptr, *res = nullptr;
   if (bias.has_value()) {
     check_f32(*bias, "bias");
@@ -106,20 +135,22 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   }
   const Isa& k = pick(isa);
   at::Tensor y = at::empty({m, n}, in.options());
-  const float *xp = in.data_ptr<float>(), *wp = packed.data_ptr<float>();
+  const float* xp = in.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (quant.has_value()) {
-    const int64_t bytes = quant->size(-1);
-    TORCH_CHECK(quant->scalar_type() == at::kByte && quant->is_contiguous() && quant->dim() == 3 &&
-                    quant->size(0) == panels && kk % 32 == 0 && quant->size(1) == kk / 32 &&
-                    (bytes == 320 || bytes == 544),
-                "linear: quant must be uint8 [panels, k / 32, 320 (Q4_1) or 544 (Q8_0)]");
-    const auto fn = bytes == 320 ? k.linear_q4_1 : k.linear_q8_0;
-    const uint8_t* qp = quant->data_ptr<uint8_t>();
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { fn(xp, m, kk, qp, b, res, yp, n, p0, p1); });
-    return y;
-  }
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { k.linear(xp, m, kk, wp, b, res, yp, n, p0, p1); });
+  int64_t scratch = 0;
+  for (size_t i = 0; i < parts.size(); i++) scratch = std::max(scratch, k.gemm_scratch((int)kind_ids[i], m));
+  // threads split the stacked weight's panels: each part computes its columns of y over its share of them
+  at::parallel_for(0, first_panel.back(), 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> buffer(scratch);
+    for (size_t i = 0; i < parts.size(); i++) {
+      const int64_t lo = std::max(p0, first_panel[i]), hi = std::min(p1, first_panel[i + 1]);
+      if (lo >= hi) continue;
+      const int64_t col = first_panel[i] * 16;
+      GemmArgs a{xp, m, kk, parts[i].data_ptr(), rows[i], b ? b + col : nullptr, res ? res + col : nullptr,
+                 yp + col, n};
+      k.gemm((int)kind_ids[i], a, buffer.data(), lo - first_panel[i], hi - first_panel[i]);
+    }
+  });
   return y;
 }
 
@@ -214,8 +245,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 TORCH_LIBRARY(prefixcache, m) {
   m.def("supported() -> str[]", &supported);
-  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, int isa, Tensor? norm=None, float eps=0., "
-        "bool swiglu=False, Tensor? residual=None, Tensor? quant=None) -> Tensor", &linear);
+  m.def("kinds() -> str[]", &kinds);
+  m.def("quant_rows(int isa) -> int", &quant_rows);
+  m.def("linear(Tensor x, Tensor[] parts, int[] kinds, int[] rows, Tensor? bias, int isa, Tensor? norm=None, "
+        "float eps=0., bool swiglu=False, Tensor? residual=None) -> Tensor", &linear);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor", &rms_norm);
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor", &silu_mul);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "

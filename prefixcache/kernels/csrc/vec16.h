@@ -34,14 +34,13 @@ struct V16 {
     return hsum8(s8);
   }
   static V16 load_f16(const void* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
-  static V16 load_i8(const void* p) {
-    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))};
+  static V16 load_bf16(const void* p) {
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(h, 16))};
   }
-  static void load_nibbles(const void* p, V16& lo, V16& hi) {  // 16 bytes: their low and their high nibbles
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
-    hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
-  }
+  // 16 bytes, each unsigned or signed, as floats (exact)
+  static V16 from_u8(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
+  static V16 from_i8(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))}; }
   static __mmask16 mask(int n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
   static float hsum8(__m256 s8) {
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
@@ -103,17 +102,16 @@ struct V16 {
     const __m128i* h = (const __m128i*)p;
     return {_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1))};
   }
-  static V16 load_i8(const void* p) {
-    const __m128i b = _mm_loadu_si128((const __m128i*)p);
-    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+  static V16 load_bf16(const void* p) {
+    const __m128i* h = (const __m128i*)p;
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h)), 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h + 1)), 16))};
   }
-  static void load_nibbles(const void* p, V16& lo, V16& hi) {
-    const __m128i b = _mm_loadu_si128((const __m128i*)p);
-    const __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-    const __m256i f = _mm256_set1_epi32(15);
-    lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, f)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, f))};
-    hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
+  static V16 from_u8(__m128i b) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
+  }
+  static V16 from_i8(__m128i b) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
   }
   static __m256i mask8(int n) {  // lanes below n all ones
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
