@@ -44,7 +44,10 @@ class Packed:
     it is kept. The kernel reads row k of a panel, 16 outputs' weights, as one vector."""
     parts: list[Part]
     k: int
-    ids: list[int] = field(default_factory=list)  # each part's kind, as the linear op numbers them
+    # the linear op's arguments: each part's kind (as the op numbers them), data and rows
+    ids: list[int] = field(init=False)
+    data: list[torch.Tensor] = field(init=False)
+    rows: list[int] = field(init=False)
 
     def __post_init__(self):
         assert all(p.n % 16 == 0 for p in self.parts[:-1]), "every part but the last a multiple of 16 rows"
