@@ -50,11 +50,14 @@ class AttnPlan:
 
 
 def plan(groups: list[Queries], num_tokens: int, tile: int, block_size: int, pool_slots: int, exact,
-         num_kv_heads: int, group_size: int, dtype: torch.dtype) -> AttnPlan:
-    """The step's kernel calls: one per distinct tile (its blocks and length), holding every query that reads it."""
+         num_kv_heads: int, group_size: int, dtype: torch.dtype, window: int = 0) -> AttnPlan:
+    """The step's kernel calls: one per distinct tile (its blocks and length), holding every query that reads it.
+    With a window, a query reads only its last `window` keys (its own included): tiles before every query's
+    window are left out (a row that reaches no key of a tile merges as if it were left out too)."""
     shared: dict[tuple, list[tuple[int, int]]] = {}  # (index, length, blocks) -> (token row, position) pairs
     for g in groups:
-        for t in range(math.ceil(g.ctx / tile)):
+        first = max(0, min(g.positions) - window + 1) // tile if window else 0
+        for t in range(first, math.ceil(g.ctx / tile)):
             real = min(tile, g.ctx - t * tile)
             blocks = tuple(g.block_table[t * tile // block_size: (t * tile + real - 1) // block_size + 1])
             rows = shared.setdefault((t, exact.key_length(real, tile), blocks), [])
@@ -75,7 +78,8 @@ def plan(groups: list[Queries], num_tokens: int, tile: int, block_size: int, poo
         out_index.append((row + t * num_tokens * heads).where(row >= 0, spare_out).flatten())
         keys = torch.arange(t * tile, t * tile + length)
         pos = torch.cat([pos, pos.new_zeros(pad)]).view(calls, 1, size, 1)
-        mask = torch.where(keys > pos, MASKED, 0.0).to(dtype)
+        outside = (keys > pos) | (keys <= pos - window) if window else keys > pos
+        mask = torch.where(outside, MASKED, 0.0).to(dtype)
         first = blocks[0] * block_size
         consecutive = all(b == blocks[0] + i for i, b in enumerate(blocks)) and first + length <= pool_slots
         slots = None if consecutive else _slots(blocks, block_size, length)
@@ -85,7 +89,7 @@ def plan(groups: list[Queries], num_tokens: int, tile: int, block_size: int, poo
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: AttnPlan, out: torch.Tensor,
-           lse: torch.Tensor) -> torch.Tensor:
+           lse: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """q [N, heads, d] -> [N, heads, d], over one layer's pool k, v [slots, kv heads, d]. out [num_tiles * N *
     heads + 1, d] and lse [num_tiles * N * heads + 1] hold each tile's results: filled with `empty_results` once
     per step, since every layer writes the same slots."""
@@ -98,7 +102,7 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: AttnP
         k, v = (_keys(pool, t, q.dtype) for pool in (k_pool, v_pool))
         # with one row per entry, the kernel splits the keys by how many entries share the call: one call each
         for e in [slice(i, i + 1) for i in range(t.calls)] if t.size == 1 else [slice(None)]:
-            o, m = _flash(qt[e], k[e], v[e], 0.0, False, attn_mask=t.mask[e], scale=d ** -0.5)[:2]
+            o, m = _flash(qt[e], k[e], v[e], 0.0, False, attn_mask=t.mask[e], scale=scale or d ** -0.5)[:2]
             outs.append(o.reshape(-1, d))
             lses.append(m.reshape(-1))
     out.index_copy_(0, p.out_index, torch.cat(outs))

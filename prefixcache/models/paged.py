@@ -25,9 +25,10 @@ class PagedPlan:
     order: torch.Tensor  # [tokens] int32: tokens, item after item
     items: torch.Tensor  # [items + 1] int32: offsets into order
     block_size: int
+    window: int = 0  # a token reads its last `window` keys, its own included; 0: all
 
 
-def plan(groups: list[Queries], num_tokens: int, block_size: int) -> PagedPlan:
+def plan(groups: list[Queries], num_tokens: int, block_size: int, window: int = 0) -> PagedPlan:
     pos = torch.zeros(num_tokens, dtype=torch.int64)
     row_seq = torch.zeros(num_tokens, dtype=torch.int32)
     width = max(len(g.block_table) for g in groups)
@@ -51,7 +52,7 @@ def plan(groups: list[Queries], num_tokens: int, block_size: int) -> PagedPlan:
             items.append(len(order))
     assert len(order) == num_tokens, "every token belongs to one sequence's queries"
     return PagedPlan(pos, tables, row_seq, torch.tensor(order, dtype=torch.int32),
-                     torch.tensor(items, dtype=torch.int32), block_size)
+                     torch.tensor(items, dtype=torch.int32), block_size, window)
 
 
 def store(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -80,7 +81,9 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: 
                                             slots, heads, kv_heads, isa)
 
 
-def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: PagedPlan, isa: int) -> torch.Tensor:
-    """q [tokens, heads, d] over one layer's pool k, v (written by `store`) -> [tokens, heads, d]."""
+def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: PagedPlan, isa: int,
+           scale: float | None = None) -> torch.Tensor:
+    """q [tokens, heads, d] over one layer's pool k, v (written by `store`) -> [tokens, heads, d], q.k scaled by
+    `scale` (head_dim ** -0.5 by default)."""
     return torch.ops.prefixcache.attend(q.contiguous(), k_pool, v_pool, p.pos, p.tables, p.row_seq, p.order, p.items,
-                                        p.block_size, q.shape[-1] ** -0.5, isa)
+                                        p.block_size, scale or q.shape[-1] ** -0.5, isa, p.window)

@@ -116,6 +116,16 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return gate / (1 + torch.exp(-gate)) * up
 
+    def geglu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.linear(self.geglu(gate_up), weight, None, residual)
+
+    def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GELU (tanh form) of the gate times up. tanh(y) as 1 - 2 / (exp(2y) + 1), for swiglu's reason."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi)
+        return 0.5 * gate * (2 - 2 / (torch.exp(2 * y) + 1)) * up
+
 
 class KernelOps:
     def __init__(self, isa: str):
@@ -174,6 +184,13 @@ class KernelOps:
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.prefixcache.silu_mul(gate_up.contiguous(), self.isa)
+
+    def geglu_linear(self, gate_up: torch.Tensor, weight: Packed,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.linear(self.geglu(gate_up), weight, residual=residual)
+
+    def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.prefixcache.gelu_mul(gate_up.contiguous(), self.isa)
 
 
 def _kind(w: Weight) -> str:

@@ -16,6 +16,7 @@ struct AttnArgs {
   const int32_t* items;    // [num_items + 1] offsets into order
   int64_t heads, kv_heads, d, max_blocks, block_size;
   float scale;
+  int64_t window;          // a token attends its last `window` keys, its own included; 0: keys 0..pos
 };
 
 struct RopeArgs {
@@ -69,6 +70,7 @@ struct GemmArgs {
   int64_t quant_rows();                                                                                        \
   void rms_norm(const float* x, const float* w, float* y, int64_t k, float eps, int64_t r0, int64_t r1);       \
   void silu_mul(const float* gate_up, float* y, int64_t i, int64_t r0, int64_t r1);                            \
+  void gelu_mul(const float* gate_up, float* y, int64_t i, int64_t r0, int64_t r1);                            \
   void attend(const AttnArgs& a, float* scratch, int64_t u0, int64_t u1);                                      \
   void attend_spans(const AttnArgs& a, const int32_t* spans, float* partials, float* scratch, int64_t u0,        \
                     int64_t u1);                                                                               \

@@ -1,5 +1,6 @@
-// torch ops prefixcache::{supported, kinds, quant_rows, linear, rms_norm, silu_mul, rope_store, attend}: argument
-// checks, threads, and the ISA build each call names. Threads split panels, rows or attention units, never a reduction.
+// torch ops prefixcache::{supported, kinds, quant_rows, linear, rms_norm, silu_mul, gelu_mul, rope_store, attend}:
+// argument checks, threads, and the ISA build each call names. Threads split panels, rows or attention units, never a
+// reduction.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,14 +21,16 @@ struct Isa {
   decltype(&avx2::quant_rows) quant_rows;
   decltype(&avx2::rms_norm) rms_norm;
   decltype(&avx2::silu_mul) silu_mul;
+  decltype(&avx2::gelu_mul) gelu_mul;
   decltype(&avx2::attend) attend;
   decltype(&avx2::attend_spans) attend_spans;
   decltype(&avx2::attend_merge) attend_merge;
 };
 const Isa AVX512{"avx512", avx512::rope_store, avx512::gemm, avx512::gemm_scratch, avx512::quant_rows,
-                 avx512::rms_norm, avx512::silu_mul, avx512::attend, avx512::attend_spans, avx512::attend_merge};
+                 avx512::rms_norm, avx512::silu_mul, avx512::gelu_mul, avx512::attend, avx512::attend_spans,
+                 avx512::attend_merge};
 const Isa AVX2{"avx2", avx2::rope_store, avx2::gemm, avx2::gemm_scratch, avx2::quant_rows, avx2::rms_norm,
-               avx2::silu_mul, avx2::attend, avx2::attend_spans, avx2::attend_merge};
+               avx2::silu_mul, avx2::gelu_mul, avx2::attend, avx2::attend_spans, avx2::attend_merge};
 bool supports(const char* name) {
   __builtin_cpu_init();
   if (std::string(name) == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
@@ -66,18 +69,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_
   return y;
 }
 
-// gate_up [m, 2 i] -> silu(gate) * up [m, i]
-at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) {
+// gate_up [m, 2 i] -> act(gate) * up [m, i]
+at::Tensor gated(const at::Tensor& gate_up, decltype(&avx2::silu_mul) act) {
   check_f32(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: [rows, 2 * inter] expected");
-  const Isa& k = pick(isa);
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul, gelu_mul: [rows, 2 * inter] expected");
   const int64_t inter = gate_up.size(1) / 2;
   at::Tensor y = at::empty({gate_up.size(0), inter}, gate_up.options());
   at::parallel_for(0, gate_up.size(0), 16, [&](int64_t r0, int64_t r1) {
-    k.silu_mul(gate_up.data_ptr<float>(), y.data_ptr<float>(), inter, r0, r1);
+    act(gate_up.data_ptr<float>(), y.data_ptr<float>(), inter, r0, r1);
   });
   return y;
 }
+
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) { return gated(gate_up, pick(isa).silu_mul); }
+
+at::Tensor gelu_mul(const at::Tensor& gate_up, int64_t isa) { return gated(gate_up, pick(isa).gelu_mul); }
 
 // the weight formats (kernels.h KINDS), by the index the linear op takes
 std::vector<std::string> kinds() {
@@ -190,7 +196,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 // Items (offsets into order) group tokens that read the same blocks; they change loads, never a token's bits.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
                   const at::Tensor& tables, const at::Tensor& row_seq, const at::Tensor& order,
-                  const at::Tensor& items, int64_t block_size, double scale, int64_t isa) {
+                  const at::Tensor& items, int64_t block_size, double scale, int64_t isa, int64_t window) {
   check_f32(q, "q");
   check_f32(k, "k");
   check_f32(v, "v");
@@ -201,12 +207,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(pos.is_contiguous() && tables.is_contiguous() && row_seq.is_contiguous() && order.is_contiguous() &&
                   items.is_contiguous() && tables.dim() == 2, "attend: index layout");
   TORCH_CHECK(block_size % 16 == 0, "attend: block_size must be a multiple of 16");
+  TORCH_CHECK(window >= 0, "attend: window must be 0 (none) or positive");
   const Isa& kern = pick(isa);
   at::Tensor out = at::empty_like(q);  // every row of every token is written: the plan puts each token in one item
   AttnArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
              pos.data_ptr<int64_t>(), tables.data_ptr<int32_t>(), row_seq.data_ptr<int32_t>(),
              order.data_ptr<int32_t>(), items.data_ptr<int32_t>(), q.size(1), k.size(1), q.size(2),
-             tables.size(1), block_size, (float)scale};
+             tables.size(1), block_size, (float)scale, window};
   const int64_t num_items = items.numel() - 1, units = num_items * a.kv_heads;
   const int32_t* it = items.data_ptr<int32_t>();
   for (int64_t i = 0; i < num_items; i++)
@@ -251,8 +258,9 @@ TORCH_LIBRARY(prefixcache, m) {
         "float eps=0., bool swiglu=False, Tensor? residual=None) -> Tensor", &linear);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor", &rms_norm);
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor", &silu_mul);
+  m.def("gelu_mul(Tensor gate_up, int isa) -> Tensor", &gelu_mul);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
         "int heads, int kv_heads, int isa) -> Tensor", &rope_store);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor tables, Tensor row_seq, Tensor order, "
-        "Tensor items, int block_size, float scale, int isa) -> Tensor", &attend);
+        "Tensor items, int block_size, float scale, int isa, int window=0) -> Tensor", &attend);
 }

@@ -1,0 +1,100 @@
+"""Sliding-window attention (a local layer reads its last `window` keys, its own included), on our kernel and on the
+torch path: against float64 with windows that start inside a key block, across blocks of 16, key blocks of 64 and
+spans of 256; and each row's bits whatever its batch, its chunking, the threads and where its blocks lie."""
+import pytest
+import torch
+from conftest import GREEDY, generate_with_logits
+
+from prefixcache import LLM, kernels
+from prefixcache.models import attention, paged
+from prefixcache.models.attention import Queries
+from prefixcache.models.exactness import rows_plan
+from prefixcache.models.kernel_check import attention64
+from prefixcache.models.rowwise import KernelOps
+
+AVAILABLE = kernels.choose("auto").isa
+BUILDS = [KernelOps(isa) for isa in kernels.ISAS if AVAILABLE and isa in torch.ops.prefixcache.supported()]
+needs_kernels = pytest.mark.skipif(not AVAILABLE, reason=f"kernels: {kernels.choose('auto').status}")
+HEADS, KV_HEADS, D, KEYS = 4, 2, 32, 700
+
+
+def _case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-KEYS // 16)
+    k, v = (torch.randn((blocks + 1) * 16, KV_HEADS, D, generator=g) for _ in range(2))
+    table = (1 + torch.randperm(blocks, generator=g)).tolist()
+    pos = [0, 5, 63, 64, 100, 255, 256, 300, 511, 512, 600, KEYS - 1]
+    return g, k, v, table, pos, torch.randn(len(pos), HEADS, D, generator=g)
+
+
+def _reference(q, k, v, table, pos, window):
+    out = []
+    for i, p in enumerate(pos):
+        keys = range(max(0, p - window + 1), p + 1)
+        slots = torch.tensor([table[j // 16] * 16 + j % 16 for j in keys])
+        out.append(attention64(q[i], k[slots], v[slots]))
+    return torch.stack(out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [1, 16, 100, 256, 300, 512])
+def test_the_kernel_reads_only_the_window_and_matches_float64(window):
+    _, k, v, table, pos, q = _case(window)
+    ref = _reference(q, k, v, table, pos, window)
+    plan = paged.plan([Queries(0, pos, KEYS, table)], len(pos), 16, window)
+    for ops in BUILDS:
+        out = paged.attend(q, *paged.laid_out(k, v), plan, ops.isa)
+        assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, ops.name
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [100, 300])
+def test_a_windowed_row_does_not_depend_on_batch_chunking_threads_placement_or_build(window):
+    g, k, v, table, pos, q = _case(window + 1)
+    kp, vp = paged.laid_out(k, v)
+    whole = paged.attend(q, kp, vp, paged.plan([Queries(0, pos, KEYS, table)], len(pos), 16, window), BUILDS[0].isa)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for ops in BUILDS:
+                alone = torch.cat([paged.attend(q[i:i + 1], kp, vp, paged.plan(
+                    [Queries(0, [p], p + 1, table)], 1, 16, window), ops.isa) for i, p in enumerate(pos)])
+                assert torch.equal(alone, whole), (t, ops.name)
+    finally:
+        torch.set_num_threads(threads)
+    moved = (1 + torch.randperm(len(table), generator=g)).tolist()
+    k2, v2 = k.clone(), v.clone()
+    for a, b in zip(table, moved):
+        k2[b * 16:(b + 1) * 16], v2[b * 16:(b + 1) * 16] = k[a * 16:(a + 1) * 16], v[a * 16:(a + 1) * 16]
+    chunks = [Queries(0, pos[:5], pos[4] + 1, moved), Queries(5, pos[5:], KEYS, moved)]
+    out = paged.attend(q, *paged.laid_out(k2, v2), paged.plan(chunks, len(pos), 16, window), BUILDS[-1].isa)
+    assert torch.equal(out, whole)
+
+
+@pytest.mark.parametrize("window", [16, 100, 600])
+def test_the_torch_path_reads_only_the_window(window):
+    """In tiles of 256 keys: a query whose window starts past a tile leaves that tile out."""
+    _, k, v, table, pos, q = _case(window + 2)
+    ref = _reference(q, k, v, table, pos, window)
+    exact = rows_plan("", "test")
+    p = attention.plan([Queries(0, pos, KEYS, table)], len(pos), 256, 16, len(k), exact, KV_HEADS,
+                       HEADS // KV_HEADS, q.dtype, window)
+    out = attention.attend(q, k, v, p, *attention.empty_results(p, len(pos), HEADS, D, q.dtype))
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_warm_chunked_batched_equal_cold_across_windows(tiny_gemma):
+    """A Gemma 3 whose local layers read 128 keys, on both paths: prompts of two and three windows, cache hits
+    ending at a window's edge and inside one (the later tokens' windows reach into the cached blocks), prefill in
+    chunks of 96 that cross the windows' edges, all batched: each request's logits equal its cold run's alone."""
+    prompts = [list(range(3000, 3350)), list(range(3000, 3208)) + [5, 6], list(range(3000, 3128)) + [7], [9, 10]]
+    for kernels_choice in ("auto", "off"):
+        cold = LLM(model=tiny_gemma, enable_prefix_cache=False, kernels=kernels_choice)
+        warm = LLM(model=tiny_gemma, max_batch_tokens=96, kernels=kernels_choice)
+        assert warm.engine.runner.model.paged == (kernels_choice == "auto" and bool(BUILDS))
+        warm.generate(prompts[:1], GREEDY)
+        singles = [generate_with_logits(cold, [p], GREEDY)[1][0] for p in prompts]
+        outs, together = generate_with_logits(warm, prompts, GREEDY)
+        assert [o.cached_tokens for o in outs[1:3]] == [208, 128]
+        assert all(torch.equal(a, b) for a, b in zip(singles, together)), kernels_choice
