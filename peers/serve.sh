@@ -19,7 +19,7 @@ case "$1" in
       --host 127.0.0.1 --port "$PORT" --enforce-eager --enable-prefix-caching --enable-prompt-tokens-details \
       --speculative-config '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' ;;
   llamacpp)
-    GGUF=$(../.venv/bin/python -c 'from prefixcache.config import default_model_path; print(default_model_path())')
+    GGUF=$(../.venv/bin/python -c 'from prefixcache.models.catalog import default_model_path; print(default_model_path())')
     exec .venv-llamacpp/bin/python -m llama_cpp.server --model "$GGUF" --host 127.0.0.1 --port "$PORT" \
       --n_ctx 8192 --n_threads 2 --cache true --cache_type ram ;;
   *) echo "usage: $0 vllm|vllm-ngram|llamacpp [PORT]" >&2; exit 2 ;;

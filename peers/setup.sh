@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=..
-GGUF=$($ROOT/.venv/bin/python -c 'from prefixcache.config import default_model_path; print(default_model_path())')
+GGUF=$($ROOT/.venv/bin/python -c 'from prefixcache.models.catalog import default_model_path; print(default_model_path())')
 
 vllm() {
   test -x .venv-vllm/bin/python || python3 -m venv .venv-vllm

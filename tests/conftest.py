@@ -1,24 +1,21 @@
 import json
 import os
-import shutil
 
 import pytest
 import torch
+from family_models import family_model
 from safetensors.torch import save_file
 
 import prefixcache  # noqa: F401  (sets its environment defaults, HF_HUB_OFFLINE among them, first)
 from prefixcache import LLM
-from prefixcache.config import default_model_path
 from prefixcache.engine.sequence import SamplingParams
-from prefixcache.models.loader import converted_folder
+from prefixcache.models.catalog import default_model_path
+from prefixcache.models.loader import tokenizer
 
 
 def _tiny_model(folder: str, model_type: str, bias: bool, seed: int) -> str:
     """A random-weight Llama/Qwen2 with the default model's tokenizer: fast, but real code paths."""
-    real = converted_folder(default_model_path())
-    for f in os.listdir(real):
-        if f.startswith(("tokenizer", "special_tokens")) or f.endswith(".jinja"):
-            shutil.copy(os.path.join(real, f), folder)
+    tokenizer(default_model_path()).save_pretrained(folder)
     vocab, hidden, inter, layers, heads, kv_heads = 49152, 64, 128, 2, 4, 2
     config = {"model_type": model_type, "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
               "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
@@ -61,6 +58,12 @@ def tiny_qwen(tmp_path_factory) -> str:
 def tiny_model_v2(tmp_path_factory) -> str:
     """Same architecture as tiny_model, different weights: a model update."""
     return _tiny_model(str(tmp_path_factory.mktemp("tiny_llama_v2")), "llama", False, 2)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma(tmp_path_factory) -> str:
+    """A Gemma 3: local layers of a 128-key window beside a global one (tests/family_models.py)."""
+    return family_model(str(tmp_path_factory.mktemp("tiny_gemma")), "gemma3", seed=3)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

@@ -20,7 +20,7 @@ import httpx
 
 from prefixcache.bench.noisy import p90
 from prefixcache.bench.server import ADMIN_KEY, LocalServer, ServerOptions
-from prefixcache.config import default_model_path
+from prefixcache.models.catalog import model_path
 from prefixcache.models.cpu import cpu_info
 from prefixcache.server.caps import MAX_STRING
 
@@ -167,7 +167,7 @@ def main() -> None:
     if args.attack:
         print(json.dumps(attack(*args.attack)), flush=True)
         return
-    model = args.model or default_model_path()
+    model = model_path(args.model)
     runs = []
     for name in args.only:
         r = measure(model, name, args.rounds, args.n, args.warmup)

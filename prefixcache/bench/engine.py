@@ -230,7 +230,7 @@ def side_hf() -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from prefixcache.config import default_model_path
+    from prefixcache.models.catalog import default_model_path
     from prefixcache.models.loader import converted_folder
 
     folder = converted_folder(default_model_path())

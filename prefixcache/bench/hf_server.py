@@ -16,7 +16,8 @@ from fastapi.responses import StreamingResponse
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
-from prefixcache.config import Config, default_model_path
+from prefixcache.config import Config
+from prefixcache.models.catalog import default_model_path
 from prefixcache.models.loader import converted_folder
 from prefixcache.server.openai_requests import ChatRequest
 

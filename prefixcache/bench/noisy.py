@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from prefixcache.bench.server import ADMIN_KEY, LocalServer, ServerOptions, scrape
-from prefixcache.config import default_model_path
+from prefixcache.models.catalog import model_path
 from prefixcache.models.cpu import cpu_info
 
 
@@ -145,7 +145,7 @@ def main() -> None:
         url, key, clients, tokens, seed = args.flood
         print(flood(url, key, int(clients), int(tokens), int(seed)))
         return
-    model = args.model or default_model_path()
+    model = model_path(args.model)
     runs = []
     for chunk, threads in ((0, 1), (32, 1), (32, 2)):
         r = measure(Setup(model, chunk, threads, args.kv_cache_bytes, args.rounds, args.n, turnover=args.turnover))

@@ -148,10 +148,10 @@ def mib(b: int) -> str:
 
 
 def _real_folder(model: str) -> str:
-    from prefixcache.config import default_model_path
+    from prefixcache.models.catalog import model_path
     from prefixcache.models.loader import converted_folder
 
-    path = model or default_model_path()
+    path = model_path(model)
     return path if os.path.isdir(path) else converted_folder(path)
 
 

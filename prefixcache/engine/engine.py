@@ -16,7 +16,7 @@ from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.pool import KVPool
 from prefixcache.cache.scope import CacheScope
 from prefixcache.cache.zmq_events import open_events
-from prefixcache.config import Config, default_model_path
+from prefixcache.config import Config
 from prefixcache.engine.admission import check
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.cache_admin import CacheAdmin
@@ -37,6 +37,7 @@ from prefixcache.engine.sequence import (
 )
 from prefixcache.engine.speculation import Speculation
 from prefixcache.engine.tiering import open_tiers
+from prefixcache.models.catalog import NAMES, model_path
 from prefixcache.models.cpu import check_dtype
 from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
@@ -62,10 +63,10 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        weights = load(config.model or default_model_path(), getattr(torch, config.dtype), config.quantized_reads)
+        weights = load(model_path(config.model), getattr(torch, config.dtype), config.quantized_reads)
         self.tokenizer = weights.tokenizer
         self.model_config = weights.config
-        self.model_name = weights.name
+        self.model_name = config.model if config.model in NAMES else weights.name  # a shipped model by its name
         self.max_model_len = min(config.max_model_len or weights.config.max_position, weights.config.max_position)
         c = weights.config
         self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, config.kv_cache_bytes,

@@ -1,5 +1,4 @@
 """A lint input rendered by the one renderer (prefixcache/prompt.py): its token ids are the ones the server caches."""
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -9,13 +8,10 @@ from prefixcache.lint.requests import Request
 
 @lru_cache(maxsize=4)
 def load_tokenizer(model: str = ""):
-    from transformers import AutoTokenizer
+    from prefixcache.models.catalog import model_path
+    from prefixcache.models.loader import tokenizer
 
-    from prefixcache.config import default_model_path
-    from prefixcache.models.loader import converted_folder
-
-    path = model or default_model_path()
-    return AutoTokenizer.from_pretrained(path if os.path.isdir(path) else converted_folder(path))
+    return tokenizer(model_path(model))
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.cache.pool import KVPool
-from prefixcache.models import attention, paged, quant
+from prefixcache.models import attention, paged, quant, rope
 from prefixcache.models.attention import Queries
 from prefixcache.models.exactness import Exactness, RowOp, in_calls, rows_plan
 from prefixcache.models.loader import Weights
@@ -33,10 +33,8 @@ class Batch:
 class Llama:
     def __init__(self, weights: Weights, tile: int, ops: TorchOps | KernelOps):
         c = self.config = weights.config
-        w = weights.tensors
+        w = weights.tensors  # a quantized weight as the file ships it (Blocks)
         self.tile = tile
-        shipped = getattr(weights, "shipped", {})  # the old loader's blocks, beside their fp32 values in `tensors`
-        w = {**w, **shipped}  # a quantized weight as the file ships it (Blocks)
         self.embed = w["model.embed_tokens.weight"]
         self.ops = ops
         self.lm_head = ops.prepare(w["model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"])
@@ -54,11 +52,17 @@ class Llama:
                 qkv=linear(*(a + n + "_proj.weight" for n in "qkv")), qkv_bias=bias, o=linear(a + "o_proj.weight"),
                 gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 down=linear(p + "mlp.down_proj.weight"),
+                q_norm=w.get(a + "q_norm.weight"), k_norm=w.get(a + "k_norm.weight"),
             ))
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
-        freqs = torch.outer(torch.arange(c.max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos().to(self.norm.dtype), emb.sin().to(self.norm.dtype)  # as HF: fp32, then cast
+            if c.sandwich_norms:  # Gemma: the norm before the MLP has its own name; two more after each block
+                self.layers[-1].update(ln2=w[p + "pre_feedforward_layernorm.weight"],
+                                       post_attn=w[p + "post_attention_layernorm.weight"],
+                                       post_ffn=w[p + "post_feedforward_layernorm.weight"])
+        self.cos, self.sin = rope.tables(c.rope, c.head_dim, c.max_position, self.norm.dtype)
+        if c.local_rope:
+            self.local_cos, self.local_sin = rope.tables(c.local_rope, c.head_dim, c.max_position, self.norm.dtype)
+        self.local_layers = frozenset(c.local_layers)
+        self.attn_scale = c.attn_scale or c.head_dim ** -0.5
         self.exact: Exactness = rows_plan("", "until the engine sets the probed plan")
 
     @property
@@ -94,56 +98,84 @@ class Llama:
         # padded once to the plan's row count: every row-wise call below then runs unpadded
         n, pad = len(batch.input_ids), self.exact.padded_rows(len(batch.input_ids)) - len(batch.input_ids)
         x = quant.embedding(self.embed, F.pad(batch.input_ids, (0, pad)))
+        if c.embed_scale != 1.0:
+            x = x * c.embed_scale
         positions = F.pad(batch.positions, (0, pad))
-        cos, sin = self.cos[positions], self.sin[positions]
+        tables = {False: (self.cos[positions], self.sin[positions])}  # by whether a layer is local
+        tables[True] = (self.local_cos[positions], self.local_sin[positions]) if c.local_rope else tables[False]
+        windows = {False: 0, True: c.sliding_window}
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if self.paged:
-            plan = paged.plan(batch.queries, n, pool.block_size)
-        else:
-            plan = self.attn_plan(batch.queries, n + pad, pool.block_size, pool.k.shape[1])  # padding attends nothing
-            results = attention.empty_results(plan, n + pad, c.num_heads, c.head_dim, x.dtype)
+            plans = {local: paged.plan(batch.queries, n, pool.block_size, window) for local, window in windows.items()}
+        else:  # padding attends nothing
+            plans = {local: self.attn_plan(batch.queries, n + pad, pool.block_size, pool.k.shape[1], window=window)
+                     for local, window in windows.items()}
+            results = {local: attention.empty_results(p, n + pad, c.num_heads, c.head_dim, x.dtype)
+                       for local, p in plans.items()}  # a plan's own: a tile one leaves out, the other may write
+        glu_linear = self.ops.swiglu_linear if c.activation == "silu" else self.ops.geglu_linear
         for i, L in enumerate(self.layers):
             if between:
                 with torch.inference_mode(False):  # as outside any forward: it may create requests' own tensors
                     between()
             qkv = self._rows(self.ops.norm_linear, x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
+            if c.qk_norm:
+                qkv = self._qk_norm(qkv, L)
+            local = i in self.local_layers
+            cos, sin = tables[local]
             if self.paged:
                 q = paged.rope_store(qkv, cos, sin, pool.k[i], pool.v[i], batch.slots, c.num_heads, c.num_kv_heads,
                                      self.ops.isa)
-                o = paged.attend(q, pool.k[i], pool.v[i], plan, self.ops.isa)
+                o = paged.attend(q, pool.k[i], pool.v[i], plans[local], self.ops.isa, self.attn_scale)
             else:
-                q = qkv[:, :nq].view(-1, c.num_heads, c.head_dim)
-                k = qkv[:, nq:nq + nkv].view(-1, c.num_kv_heads, c.head_dim)
-                v = qkv[:, nq + nkv:].view(-1, c.num_kv_heads, c.head_dim)
+                q, k, v = (t.view(-1, h, c.head_dim) for t, h in zip(qkv.split([nq, nkv, nkv], dim=1),
+                                                                     (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
                 q, k = _rope(q, cos, sin), _rope(k, cos, sin)
                 pool.k[i].index_copy_(0, batch.slots, k[:n].to(pool.k.dtype))
                 pool.v[i].index_copy_(0, batch.slots, v[:n].to(pool.v.dtype))
-                o = attention.attend(q, pool.k[i], pool.v[i], plan, *results)
-            x = self._rows(self.ops.linear, o.view(-1, nq), L["o"], None, residual=x)
-            gate_up = self._rows(self.ops.norm_linear, x, L["ln2"], eps, L["gate_up"])
-            x = self._rows(self.ops.swiglu_linear, gate_up, L["down"], residual=x)
+                o = attention.attend(q, pool.k[i], pool.v[i], plans[local], *results[local], scale=self.attn_scale)
+            if c.sandwich_norms:  # x + norm(o W), x + norm(MLP(norm(x)))
+                y = self._rows(self.ops.linear, o.view(-1, nq), L["o"])
+                x = x + self._rows(self.ops.rms_norm, y, L["post_attn"], eps)
+                gate_up = self._rows(self.ops.norm_linear, x, L["ln2"], eps, L["gate_up"])
+                x = x + self._rows(self.ops.rms_norm, self._rows(glu_linear, gate_up, L["down"]), L["post_ffn"], eps)
+            else:
+                x = self._rows(self.ops.linear, o.view(-1, nq), L["o"], None, residual=x)
+                gate_up = self._rows(self.ops.norm_linear, x, L["ln2"], eps, L["gate_up"])
+                x = self._rows(glu_linear, gate_up, L["down"], residual=x)
         return self._rows(self.ops.rms_norm, x, self.norm, eps)[:n]
 
+    def _qk_norm(self, qkv: torch.Tensor, L: dict) -> torch.Tensor:
+        """q and k with each head through its RMSNorm (a head is a row of the norm), v as it was."""
+        c, rows = self.config, qkv.shape[0]
+        nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = qkv.split([nq, nkv, nkv], dim=1)
+        q = self._rows(self.ops.rms_norm, q.reshape(-1, c.head_dim), L["q_norm"], c.rms_norm_eps)
+        k = self._rows(self.ops.rms_norm, k.reshape(-1, c.head_dim), L["k_norm"], c.rms_norm_eps)
+        return torch.cat([q.view(rows, nq), k.view(rows, nkv), v], dim=1)
+
     def attn_plan(self, queries: list[Queries], num_tokens: int, block_size: int, pool_slots: int,
-                  exact: Exactness | None = None) -> attention.AttnPlan:
+                  exact: Exactness | None = None, window: int = 0) -> attention.AttnPlan:
         """The step's attention calls, under this model's exactness plan (or another, for the probe)."""
         c = self.config
         return attention.plan(queries, num_tokens, self.tile, block_size, pool_slots, exact or self.exact,
-                              c.num_kv_heads, c.num_heads // c.num_kv_heads, self.norm.dtype)
+                              c.num_kv_heads, c.num_heads // c.num_kv_heads, self.norm.dtype, window)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._rows(self.ops.linear, hidden, self.lm_head)
 
     def row_ops(self, layer: int = 0) -> list[RowOp]:
-        """What the exactness probe checks: every GEMM shape (on the real weights), RMSNorm and SwiGLU."""
+        """What the exactness probe checks: every GEMM shape (on the real weights), RMSNorm (and over a head, with
+        QK-norm) and the MLP's activation."""
         c, L, ops = self.config, self.layers[layer], self.ops
+        glu = ops.swiglu if c.activation == "silu" else ops.geglu
         return [RowOp("qkv", ops.linear, (L["qkv"], L["qkv_bias"]), c.hidden_size),
                 RowOp("o", ops.linear, (L["o"],), c.num_heads * c.head_dim),
                 RowOp("gate_up", ops.linear, (L["gate_up"],), c.hidden_size),
                 RowOp("down", ops.linear, (L["down"],), c.intermediate_size),
                 RowOp("lm_head", ops.linear, (self.lm_head,), c.hidden_size, head=True),
                 RowOp("rms_norm", ops.rms_norm, (L["ln1"], c.rms_norm_eps), c.hidden_size),
-                RowOp("swiglu", ops.swiglu, (), 2 * c.intermediate_size)]
+                RowOp(glu.__name__, glu, (), 2 * c.intermediate_size)] + (
+                [RowOp("qk_norm", ops.rms_norm, (L["q_norm"], c.rms_norm_eps), c.head_dim)] if c.qk_norm else [])
 
     def _rows(self, fn, x: torch.Tensor, *args, residual: torch.Tensor | None = None) -> torch.Tensor:
         """A row-wise fn(x, *args) (+ residual), in calls of the row counts the exactness plan verified."""

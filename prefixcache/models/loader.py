@@ -1,27 +1,23 @@
-"""Load Llama-family weights (GGUF or HF safetensors) into HF-named fp32 tensors, plus tokenizer and fingerprint."""
+"""Load a model as it ships (a GGUF file, or an HF safetensors folder) into HF-named weights, its tokenizer and its
+fingerprint. A GGUF's quantized tensors stay the blocks the file stores (models/quant.py); nothing is converted."""
+import dataclasses
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 import xxhash
 
-from prefixcache.models.quant import SHIPPED, Blocks
+from prefixcache.models import families, gguf_file, quant, rope
+from prefixcache.models.quant import Blocks
 
-GGUF_NAMES = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-ARCHITECTURES = ("llama", "qwen2", "mistral")
+Tensor = torch.Tensor | Blocks  # a weight: a tensor, or blocks as a GGUF ships them
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    family: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,49 +25,78 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope_theta: float
+    rope: rope.Rope
     rms_norm_eps: float
     max_position: int
     tie_embeddings: bool
     attention_bias: bool
+    qk_norm: bool
     eos_token_ids: tuple[int, ...]
+    activation: str = "silu"  # of the gated MLP (families.Family.activation)
+    embed_scale: float = 1.0  # the token embedding is multiplied by it
+    sandwich_norms: bool = False  # norms after attention and the MLP too (Gemma)
+    attn_scale: float = 0.0  # of q.k; 0: head_dim ** -0.5
+    sliding_window: int = 0  # keys a local layer reads, its own included; 0: none
+    local_layers: tuple[int, ...] = ()  # the layers that read only their window
+    local_rope: rope.Rope | None = None  # the local layers' RoPE, where it differs
 
 
 @dataclass
 class Weights:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # HF names, fp32
+    tensors: dict[str, Tensor]  # HF names
     tokenizer: object  # transformers PreTrainedTokenizerFast
     fingerprint: str
     name: str
-    # a GGUF's quantized weights as the file stores them, by HF name (fp32 only: `tensors` holds their values)
-    shipped: dict[str, Blocks] = field(default_factory=dict)
 
 
-def load(path: str, dtype: torch.dtype = torch.float32, shipped: bool = True) -> Weights:
-    """Load a GGUF file or an HF safetensors folder. A GGUF file is converted once into an HF folder in the
-    user cache (keyed by the file's hash), so later loads only map safetensors; with `shipped`, its Q4_1 and Q8_0
-    blocks are read too."""
+def load(path: str, dtype: torch.dtype = torch.float32, quantized: bool = True) -> Weights:
+    """Load a GGUF file or an HF safetensors folder. With `quantized` (and float32 activations), a GGUF's quantized
+    weights stay as shipped; otherwise every weight is dequantized to `dtype`."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path}")
     if os.path.isdir(path):
-        folder = path
+        hf, tensors, tokenizer = _hf_config(path), _safetensors(path), _folder_tokenizer(path)
+        digest = _digest(os.path.join(path, f) for f in _safetensor_files(path))
     elif path.endswith(".gguf"):
-        folder = converted_folder(path)
+        hf, tensors, tokenizer, digest = gguf_file.read(path)
     else:
         raise ValueError(f"unsupported model path {path!r}: expected a .gguf file or an HF safetensors folder")
-    config, tensors, tokenizer = _load_hf_dir(folder)
-    tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+    config = _with_eos(_config(hf, tensors), tokenizer)
+    if families.by_hf_type(hf["model_type"]).norm_offset:  # (1 + w), once, in fp32 as HF computes it
+        tensors = {k: 1.0 + v.float() if k.endswith("norm.weight") else v for k, v in tensors.items()}
+    if (factors := tensors.pop(gguf_file.ROPE_FACTORS, None)) is not None:
+        config = dataclasses.replace(config, rope=dataclasses.replace(config.rope, factors=tuple(factors.tolist())))
+    _check_shapes(config, tensors)
+    if quantized and dtype == torch.float32:  # as shipped: blocks, and 16-bit matrices as 16 bits
+        tensors = {k: _as_shipped(v) for k, v in tensors.items()}
+    else:
+        tensors = {k: _dense(v).to(dtype).contiguous() for k, v in tensors.items()}
     name = os.path.basename(path.rstrip("/")).removesuffix(".gguf")
-    blocks = _shipped(path, folder) if shipped and dtype == torch.float32 and path.endswith(".gguf") else {}
-    return Weights(config, tensors, tokenizer, fingerprint(config, tensors, dtype), name, blocks)
+    return Weights(config, tensors, tokenizer, fingerprint(config, dtype, digest), name)
+
+
+def tokenizer(path: str):
+    """The tokenizer of a GGUF file or an HF folder, without reading a weight."""
+    if os.path.isdir(path):
+        return _folder_tokenizer(path)
+    return gguf_file.read_tokenizer(path)
+
+
+def fingerprint(config: ModelConfig, dtype: torch.dtype, digest: str) -> str:
+    """Stable across processes and runs: xxh3-128 over the config, the dtype and the weight files' bytes."""
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(asdict(config), sort_keys=True).encode())
+    h.update(str(dtype).encode())
+    h.update(digest.encode())
+    return h.hexdigest()
 
 
 def converted_folder(gguf_path: str) -> str:
-    with open(gguf_path, "rb") as f:
-        digest = xxhash.xxh3_64_hexdigest(f.read())
-    cache = os.environ.get("PREFIXCACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "prefixcache"))
-    folder = os.path.join(cache, f"{os.path.basename(gguf_path).removesuffix('.gguf')}-{digest}")
+    """An HF folder of a GGUF's weights dequantized to fp32, written once in the user cache: for peers and for
+    HF transformers as a reference, never for our engine."""
+    name = os.path.basename(gguf_path).removesuffix(".gguf")
+    folder = os.path.join(gguf_file.cache_home(), f"{name}-{gguf_file.file_digest(gguf_path)}")
     if not os.path.exists(os.path.join(folder, "model.safetensors")):
         convert_gguf(gguf_path, folder)
     return folder
@@ -81,121 +106,18 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     """Write an HF folder (config.json, model.safetensors, tokenizer) with the GGUF's weights dequantized to fp32."""
     from safetensors.torch import save_file
 
-    hf_config, tensors, tokenizer = _read_gguf(gguf_path)
+    hf, tensors, tok, _ = gguf_file.read(gguf_path)
+    if gguf_file.ROPE_FACTORS in tensors:
+        raise ValueError(f"{gguf_path}: its RoPE factors ({gguf_file.ROPE_FACTORS}) have no HF config form")
     tmp = f"{out_dir}.tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=1)
-    tokenizer.save_pretrained(tmp)
-    save_file(tensors, os.path.join(tmp, "model.safetensors"))
+        json.dump(hf, f, indent=1)
+    tok.save_pretrained(tmp)
+    save_file({k: _dense(v) for k, v in tensors.items()}, os.path.join(tmp, "model.safetensors"))
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
-
-
-def fingerprint(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
-    """Stable across processes and runs: xxh3-128 over config, dtype and every tensor's name, shape and bytes."""
-    h = xxhash.xxh3_128()
-    h.update(json.dumps(asdict(config), sort_keys=True).encode())
-    h.update(str(dtype).encode())
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(f"{name}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().data if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy().data)
-    return h.hexdigest()
-
-
-def _read_gguf(path: str):
-    from transformers import AutoTokenizer
-
-    reader, fields, arch = _open_gguf(path)
-    tensors = {name: torch.from_numpy(data) for name, _, data in _gguf_tensors(reader, fields, arch, _dequantized)}
-    hidden = fields[f"{arch}.embedding_length"]
-    heads = fields[f"{arch}.attention.head_count"]
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
-    hf_config = {
-        "model_type": arch, "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                               "mistral": "MistralForCausalLM"}[arch]],
-        "vocab_size": tensors["model.embed_tokens.weight"].shape[0], "hidden_size": hidden,
-        "intermediate_size": fields[f"{arch}.feed_forward_length"], "num_hidden_layers": fields[f"{arch}.block_count"],
-        "num_attention_heads": heads, "num_key_value_heads": fields.get(f"{arch}.attention.head_count_kv") or heads,
-        "head_dim": fields.get(f"{arch}.attention.key_length", hidden // heads),
-        "rope_theta": float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
-        "max_position_embeddings": fields[f"{arch}.context_length"],
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
-        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, "torch_dtype": "float32",
-    }
-    return hf_config, tensors, tokenizer
-
-
-def _shipped(gguf_path: str, folder: str) -> dict[str, Blocks]:
-    """The GGUF's Q4_1 and Q8_0 weights as it stores them, rows in the order of the dequantized ones; kept beside
-    in its converted folder, apart from the model's tensors (reading the GGUF's metadata takes seconds, mapping this
-    file none)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    path = os.path.join(folder, "shipped", "blocks.safetensors")
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        reader, fields, arch = _open_gguf(gguf_path)
-        found = list(_gguf_tensors(reader, fields, arch, _raw))
-        save_file({name: torch.from_numpy(data) for name, _, data in found}, f"{path}.tmp{os.getpid()}",
-                  metadata={name: kind for name, kind, _ in found})
-        os.replace(f"{path}.tmp{os.getpid()}", path)
-    with safe_open(path, "pt") as f:
-        kinds = f.metadata() or {}
-        return {name: Blocks(kinds[name], f.get_tensor(name)) for name in f.keys()}
-
-
-def _open_gguf(path: str):
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the gguf package raises assorted errors on a bad file
-        raise ValueError(f"corrupt or unreadable GGUF file {path}: {e}") from e
-    fields = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    arch = fields.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {ARCHITECTURES}")
-    return reader, fields, arch
-
-
-def _dequantized(t) -> np.ndarray:
-    import gguf
-
-    return np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-
-
-def _raw(t) -> np.ndarray | None:
-    """A tensor's blocks as stored, [rows, bytes], if it is of a kind our kernels read (quant.SHIPPED)."""
-    return np.array(t.data) if t.tensor_type.name in SHIPPED else None
-
-
-def _gguf_tensors(reader, fields: dict, arch: str, read):
-    """(HF name, GGUF type, read(tensor)) for each tensor that `read` gives, rows in HF order."""
-    heads = fields[f"{arch}.attention.head_count"]
-    kv_heads = fields.get(f"{arch}.attention.head_count_kv") or heads
-    for t in reader.tensors:
-        data = read(t)
-        if data is None:
-            continue
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
-        else:
-            name = f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
-        if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):  # llama.cpp interleaves rotary pairs
-            data = _unpermute(data, heads if parts[-2] == "attn_q" else kv_heads)
-        yield name, t.tensor_type.name, np.ascontiguousarray(data)
-
-
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    shape = w.shape
-    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
 def read_config(path: str) -> ModelConfig:
@@ -203,23 +125,22 @@ def read_config(path: str) -> ModelConfig:
     from safetensors import safe_open
 
     names = set()
-    for f in _safetensors(path):
+    for f in _safetensor_files(path):
         with safe_open(os.path.join(path, f), "pt") as st:
             names.update(st.keys())
     return _config(_hf_config(path), names)
 
 
-def _load_hf_dir(path: str):
-    from safetensors.torch import load_file
-    from transformers import AutoTokenizer
+def _as_shipped(t: Tensor) -> Tensor:
+    if isinstance(t, Blocks):
+        return t
+    if t.dim() == 2 and t.dtype in (torch.float16, torch.bfloat16):
+        return Blocks("F16" if t.dtype == torch.float16 else "BF16", t)
+    return t.float().contiguous()
 
-    hf = _hf_config(path)
-    tensors = {}
-    for f in _safetensors(path):
-        tensors.update(load_file(os.path.join(path, f)))
-    config = _config(hf, tensors)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return _with_eos(config, tokenizer), tensors, tokenizer
+
+def _dense(t: Tensor) -> torch.Tensor:
+    return quant.dequantize(t) if isinstance(t, Blocks) else t.float()
 
 
 def _hf_config(path: str) -> dict:
@@ -227,36 +148,88 @@ def _hf_config(path: str) -> dict:
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"no config.json in {path}")
     with open(cfg_path) as f:
-        hf = json.load(f)
-    if hf.get("model_type") not in ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {hf.get('model_type')!r}; supported: {ARCHITECTURES}")
-    if hf.get("rope_scaling"):  # e.g. Llama 3.1's "llama3" scaling: refuse rather than compute wrong RoPE
-        raise ValueError(f"rope_scaling {hf['rope_scaling']!r} is not supported yet")
-    return hf
+        return json.load(f)
 
 
-def _safetensors(path: str) -> list[str]:
+def _safetensor_files(path: str) -> list[str]:
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {path}")
     return files
 
 
+def _safetensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in _safetensor_files(path):
+        tensors.update(load_file(os.path.join(path, f)))
+    return tensors
+
+
+def _folder_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _digest(files) -> str:
+    h = xxhash.xxh3_128()
+    for f in files:
+        h.update(gguf_file.file_digest(f).encode())
+    return h.hexdigest()
+
+
 def _config(hf: dict, tensor_names) -> ModelConfig:
-    heads = hf["num_attention_heads"]
+    family = families.by_hf_type(hf.get("model_type"))
+    heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    window = hf.get("use_sliding_window", True) and hf.get("sliding_window") or 0
+    # a window without layer types (Mistral, Qwen 2 with use_sliding_window) is every layer's
+    types = hf.get("layer_types") or ["sliding_attention" if window else "full_attention"] * layers
+    local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer types {sorted(unknown)} are not supported yet")
+    global_rope, local_rope = rope.from_hf(hf), rope.from_hf(hf, "sliding_attention")
     return ModelConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, rope_theta=float(hf.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(hf["rms_norm_eps"]),
-        # full attention only: a sliding-window model is exact up to its window
-        max_position=min(hf["max_position_embeddings"],
-                         hf.get("use_sliding_window", True) and hf.get("sliding_window")
-                         or hf["max_position_embeddings"]),
+        family=family.name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=layers, num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope=global_rope, rms_norm_eps=float(hf["rms_norm_eps"]), max_position=hf["max_position_embeddings"],
         tie_embeddings="lm_head.weight" not in tensor_names,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensor_names,
-        eos_token_ids=_ids(hf.get("eos_token_id")),
+        qk_norm=family.qk_norm, eos_token_ids=_ids(hf.get("eos_token_id")), activation=family.activation,
+        embed_scale=float(torch.tensor(hf["hidden_size"] ** 0.5)) if family.embed_scale else 1.0,
+        sandwich_norms=family.sandwich_norms,
+        attn_scale=hf["query_pre_attn_scalar"] ** -0.5 if "query_pre_attn_scalar" in hf else 0.0,
+        sliding_window=window if local else 0, local_layers=local,
+        local_rope=local_rope if local and local_rope != global_rope else None,
     )
+
+
+def _check_shapes(c: ModelConfig, tensors: dict[str, Tensor]) -> None:
+    """Every tensor the forward reads, of the shape the config gives: else an error naming the first that is not."""
+    q, kv, h, i = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    want = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_embeddings:
+        want["lm_head.weight"] = (c.vocab_size, h)
+    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+             "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+             "mlp.down_proj.weight": (h, i)}
+    if c.attention_bias:
+        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if c.qk_norm:
+        layer.update({"self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)})
+    if c.sandwich_norms:
+        layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
+    for n in range(c.num_layers):
+        want.update({f"model.layers.{n}.{k}": v for k, v in layer.items()})
+    for name, shape in want.items():
+        if name not in tensors:
+            raise ValueError(f"the model has no tensor {name!r} (a {c.family} model of {c.num_layers} layers needs it)")
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}, but the config makes it {shape}")
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -269,8 +242,8 @@ def _with_eos(config: ModelConfig, tokenizer) -> ModelConfig:
     eos = set(config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    for special in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+    for special in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|eom_id|>", "<end_of_turn>"):
         tid = tokenizer.convert_tokens_to_ids(special) if special in tokenizer.get_vocab() else None
         if tid is not None:
             eos.add(tid)
-    return ModelConfig(**{**asdict(config), "eos_token_ids": tuple(sorted(eos))})
+    return dataclasses.replace(config, eos_token_ids=tuple(sorted(eos)))

@@ -5,7 +5,6 @@ Routes reach it through `current(request)`, typed; a Generation gets from it onl
 import asyncio
 import json
 import logging
-import os
 from typing import Callable, TypeVar
 
 from fastapi import Request
@@ -37,18 +36,14 @@ def load_engine(cfg: ServeConfig) -> Engine:
     config = cfg.engine
     if cfg.shared_prefixes:
         # the prefixes are token ids, so the tokenizer is needed before the engine exists
-        from transformers import AutoTokenizer
-
-        from prefixcache.config import default_model_path
-        from prefixcache.models.loader import converted_folder
+        from prefixcache.models.catalog import model_path
+        from prefixcache.models.loader import tokenizer
         with open(cfg.shared_prefixes) as f:
             texts = json.load(f)
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise ValueError(f"{cfg.shared_prefixes}: expected a JSON list of system-prompt strings")
-        path = config.model or default_model_path()
-        folder = path if os.path.isdir(path) else converted_folder(path)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        config.shared_prefixes = [encode_system(tokenizer, t) for t in texts]
+        tok = tokenizer(model_path(config.model))
+        config.shared_prefixes = [encode_system(tok, t) for t in texts]
     return Engine(config)
 
 

@@ -5,11 +5,9 @@ import random
 import subprocess
 import sys
 
-from transformers import AutoTokenizer
-
 from prefixcache.bench.workloads import Size, build, system_prompt
-from prefixcache.config import default_model_path
-from prefixcache.models.loader import converted_folder
+from prefixcache.models.catalog import default_model_path
+from prefixcache.models.loader import tokenizer as load_tokenizer
 from prefixcache.prompt import encode_system, fields, render
 
 BLOCK = 16
@@ -47,7 +45,7 @@ def test_quick_bench_writes_reports_and_plots(tmp_path):
         assert on["cached_tokens"] == on["server_hit_tokens"] > 0
         assert off["cached_tokens"] == off["server_hit_tokens"] == 0
 
-    tokenizer = AutoTokenizer.from_pretrained(converted_folder(default_model_path()))
+    tokenizer = load_tokenizer(default_model_path())
     prompt_tokens, floor = _shared_prompt_floor(tokenizer)
     on = report["runs"]["shared-system-prompt"]["cache on"]
     assert on["prompt_tokens"] == prompt_tokens

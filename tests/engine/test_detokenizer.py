@@ -2,16 +2,15 @@
 import random
 
 import pytest
-from transformers import AutoTokenizer
 
-from prefixcache.config import default_model_path
 from prefixcache.engine.detokenizer import Detokenizer
-from prefixcache.models.loader import converted_folder
+from prefixcache.models.catalog import default_model_path
+from prefixcache.models.loader import tokenizer as load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(converted_folder(default_model_path()))
+    return load_tokenizer(default_model_path())
 
 
 def test_incremental_text_equals_whole_decode(tokenizer):

@@ -5,14 +5,13 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.cache.scope import CacheScope
-from prefixcache.config import default_model_path
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.grammar import Busy, Grammars, Guide
-from prefixcache.models.loader import converted_folder
+from prefixcache.models.catalog import default_model_path
+from prefixcache.models.loader import tokenizer as load_tokenizer
 from prefixcache.prompt import call_schema, tool_calls
 
 VOCAB, EOS = 49152, (2,)
@@ -20,7 +19,7 @@ VOCAB, EOS = 49152, (2,)
 
 @pytest.fixture(scope="module")
 def grammars():
-    tok = AutoTokenizer.from_pretrained(converted_folder(default_model_path()))
+    tok = load_tokenizer(default_model_path())
     return tok, Grammars(tok, VOCAB, EOS)
 
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.bench.workloads import system_prompt
-from prefixcache.config import default_model_path
+from prefixcache.models.catalog import default_model_path
 from prefixcache.models.loader import converted_folder
 
 REAL_PROMPTS = [

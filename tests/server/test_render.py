@@ -6,15 +6,14 @@ import json
 import httpx
 import pytest
 from server_fixtures import long_system, main_server, prefix_header
-from transformers import AutoTokenizer
 
 from prefixcache import LLM, SamplingParams, prompt
 from prefixcache.bench.workloads import load_jsonl
-from prefixcache.config import default_model_path
 from prefixcache.lint.render import render as lint_render
 from prefixcache.lint.requests import load
 from prefixcache.lint.run import diff
-from prefixcache.models.loader import converted_folder
+from prefixcache.models.catalog import default_model_path
+from prefixcache.models.loader import tokenizer as load_tokenizer
 from prefixcache.prompt import fields, render
 
 SYSTEM = long_system("render", 8)
@@ -51,7 +50,7 @@ ROUTES = {"openai": ("/v1/chat/completions", OPENAI), "anthropic": ("/v1/message
 
 @pytest.fixture(scope="module")
 def tok():
-    return AutoTokenizer.from_pretrained(converted_folder(default_model_path()))
+    return load_tokenizer(default_model_path())
 
 
 @pytest.fixture(scope="module")

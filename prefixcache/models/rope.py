@@ -1,0 +1,67 @@
+"""Rotary position embeddings: each pair of a head's dimensions turns by position x its inverse frequency. Llama
+3.x ("llama3") and "linear" scaling change the frequencies; a GGUF carries Llama 3.x's as a tensor of factors
+(`rope_freqs`), which divide them. The tables are computed as HF transformers computes them (fp32, then cast)."""
+import math
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class Rope:
+    theta: float
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position: int = 8192  # llama3
+    factors: tuple[float, ...] = ()  # a GGUF's rope_freqs: one divisor per inverse frequency
+
+
+def from_hf(hf: dict, layer_type: str = "full_attention") -> Rope:
+    """From an HF config: transformers 5's `rope_parameters` (by layer type where layers differ) or the older
+    `rope_theta` and `rope_scaling` (and Gemma 3's `rope_local_base_freq` for its sliding layers)."""
+    params = dict(hf.get("rope_scaling") or {})
+    by_type = hf.get("rope_parameters") or {}
+    params.update(by_type.get(layer_type, {}) if layer_type in by_type else by_type)
+    if layer_type == "sliding_attention" and "rope_local_base_freq" in hf:
+        params = {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in KINDS:
+        raise ValueError(f"rope scaling {kind!r} is not supported yet; supported: {', '.join(KINDS)}")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if kind == "default":
+        return Rope(theta)
+    if kind == "linear":
+        return Rope(theta, kind, float(params["factor"]))
+    return Rope(theta, kind, float(params["factor"]), float(params["low_freq_factor"]),
+                float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+
+
+def tables(rope: Rope, head_dim: int, positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, head_dim], the second half of each row a copy of the first."""
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq(rope, head_dim))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def inv_freq(rope: Rope, head_dim: int) -> torch.Tensor:
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.factors:
+        assert len(rope.factors) == len(inv), "one rope factor per frequency"
+        return inv / torch.tensor(rope.factors, dtype=torch.float32)
+    if rope.kind == "linear":
+        return inv / rope.factor
+    if rope.kind == "llama3":
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv

@@ -1,0 +1,41 @@
+"""Random-weight models of each family we run, built and saved by HF transformers itself from the family's real
+config shape (fewer layers, a narrower width), with the default model's tokenizer: for parity and exactness tests."""
+import torch
+
+from prefixcache.models import loader
+from prefixcache.models.catalog import default_model_path
+
+SHAPE = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+             bos_token_id=1, eos_token_id=2)
+LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}  # Llama 3.2's
+FAMILIES = {  # each family's own features, at the sizes of its real configs' ratios
+    "llama": dict(rope_theta=500000.0, rope_scaling=LLAMA3),
+    "llama-linear": dict(rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=False),  # q, k, v biases
+    "qwen3": dict(rope_theta=1000000.0, head_dim=48),  # QK-norm, and heads wider than hidden / heads
+    "mistral": dict(rope_theta=1000000.0, sliding_window=None, head_dim=32),
+    # GeGLU, sandwich norms, QK-norm, a scaled embedding; local layers of a 128-key window (the prompt is 8 of
+    # them) with their own RoPE base beside a global one
+    "gemma3": dict(model_type="gemma3_text", head_dim=64, query_pre_attn_scalar=48, sliding_window=128,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+}
+
+
+def family_model(folder: str, family: str, seed: int) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    features = dict(FAMILIES[family])
+    config = AutoConfig.for_model(features.pop("model_type", family.split("-")[0]), **{**SHAPE, **features})
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF initializes norms to 1 and biases to 0: make them count
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(folder)
+    loader.tokenizer(default_model_path()).save_pretrained(folder)
+    return folder

@@ -1,0 +1,128 @@
+"""GGUF files written the way llama.cpp's converter writes them, from an HF folder: its metadata, q and k with each
+head's rotary pairs interleaved (Llama), each weight quantized by the gguf package to a type of our choosing, and
+the default model's tokenizer. For tests of the loader and the kernels on files as they ship."""
+import json
+import math
+import os
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from prefixcache.models.catalog import default_model_path
+
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(folder: str, path: str, kind_of, rope_factors: bool = False) -> str:
+    """A GGUF of the HF model in `folder`; `kind_of(gguf name)` gives each 2-D weight's type ("F32" for none).
+    With `rope_factors`, a Llama 3.x config's RoPE scaling is written as llama.cpp does: a rope_freqs tensor."""
+    with open(os.path.join(folder, "config.json")) as f:
+        hf = json.load(f)
+    arch = {"mistral": "llama"}.get(hf["model_type"], hf["model_type"])
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    _copy_tokenizer(w)
+    for name, t in load_file(os.path.join(folder, "model.safetensors")).items():
+        g = _gguf_name(name)
+        data = t.float().numpy()
+        if arch == "llama" and g.split(".")[-2] in ("attn_q", "attn_k"):
+            data = _permute(data, heads if "attn_q" in g else kv_heads)
+        kind = kind_of(g) if data.ndim == 2 else "F32"
+        if kind == "F32":
+            w.add_tensor(g, data)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(g, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    if rope_factors:
+        w.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def dequantized_folder(gguf_path: str, hf_folder: str, out: str) -> str:
+    """`hf_folder` with its weights replaced by the GGUF's, dequantized by the gguf package (the reference)."""
+    os.makedirs(out)
+    for f in os.listdir(hf_folder):
+        if not f.endswith(".safetensors"):
+            os.link(os.path.join(hf_folder, f), os.path.join(out, f))
+    reader = gguf.GGUFReader(gguf_path)
+    with open(os.path.join(hf_folder, "config.json")) as f:
+        hf = json.load(f)
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    names = {_gguf_name(n): n for n in load_file(os.path.join(hf_folder, "model.safetensors"))}
+    tensors = {}
+    for t in reader.tensors:
+        if t.name in names:
+            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            if hf["model_type"] in ("llama", "mistral") and t.name.split(".")[-2] in ("attn_q", "attn_k"):
+                data = _unpermute(data, heads if "attn_q" in t.name else kv_heads)
+            tensors[names[t.name]] = torch.from_numpy(np.ascontiguousarray(data))
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    return out
+
+
+def _gguf_name(hf_name: str) -> str:
+    base, suffix = hf_name.rsplit(".", 1)
+    if base.startswith("model.layers."):
+        _, _, i, rest = base.split(".", 3)
+        return f"blk.{i}.{GGUF_NAMES[rest]}.{suffix}"
+    return f"{GGUF_NAMES[base]}.{suffix}"
+
+
+def _copy_tokenizer(w: gguf.GGUFWriter) -> None:
+    reader = gguf.GGUFReader(default_model_path())
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub)
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's rope_freqs for Llama 3.x: for each frequency, what divides it."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi / (1.0 / base ** (i / head_dim))
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
