@@ -9,7 +9,9 @@ second. A tenant's weight is its cache share (shares.py `guarantees`; tenants wi
 leave, equally), so while two tenants have work, the one with twice the share gets twice the turns. One tenant may
 have `bound` items waiting; past it, put() refuses and its caller says what that means.
 """
+import atexit
 import threading
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -81,6 +83,10 @@ class FairThread:
         self.jobs: FairQueue[tuple[Future, Callable[[], object]]] = FairQueue(bound)
         self.thread = threading.Thread(target=self._run, args=(initializer,), name=name, daemon=True)
         self.thread.start()
+        # at exit, let the job under way finish: a daemon thread stopped inside native code (xgrammar's tokenizer
+        # tables, built at start) aborts the process
+        ref = weakref.ref(self)
+        atexit.register(lambda: (thread := ref()) and thread.shutdown())
 
     def submit(self, tenant: str, fn: Callable[..., T], *args, **kwargs) -> Future | None:
         """fn(*args, **kwargs) on the thread, as a Future; None if the tenant has `bound` jobs waiting."""
