@@ -35,9 +35,11 @@ class Llama:
         c = self.config = weights.config
         w = weights.tensors  # a quantized weight as the file ships it (Blocks)
         self.tile = tile
-        self.embed = w["model.embed_tokens.weight"]
         self.ops = ops
         self.lm_head = ops.prepare(w["model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"])
+        # a tied table is kept once: the embedding reads its rows from the LM head's panels
+        tied = c.tie_embeddings and isinstance(self.lm_head, Packed)
+        self.embed = self.lm_head if tied else w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.layers = []
 
@@ -97,7 +99,8 @@ class Llama:
         c, eps = self.config, self.config.rms_norm_eps
         # padded once to the plan's row count: every row-wise call below then runs unpadded
         n, pad = len(batch.input_ids), self.exact.padded_rows(len(batch.input_ids)) - len(batch.input_ids)
-        x = quant.embedding(self.embed, F.pad(batch.input_ids, (0, pad)))
+        ids = F.pad(batch.input_ids, (0, pad))
+        x = self.embed.take(ids) if isinstance(self.embed, Packed) else quant.embedding(self.embed, ids)
         if c.embed_scale != 1.0:
             x = x * c.embed_scale
         positions = F.pad(batch.positions, (0, pad))

@@ -75,6 +75,15 @@ class Packed:
     def unpack(self) -> torch.Tensor:
         return torch.cat([p.values for p in self.parts])
 
+    def take(self, ids: torch.Tensor) -> torch.Tensor:
+        """The fp32 values of rows `ids` [len(ids), k] (a tied embedding's), reading only their panels: the bits
+        of unpack()[ids], since a row's values depend on its own blocks alone."""
+        assert len(self.parts) == 1, "the rows of one part"
+        part = self.parts[0]
+        panels, at = torch.div(ids, 16, rounding_mode="floor").unique(return_inverse=True)
+        picked = Part(part.kind, part.data.index_select(0, panels), 16 * len(panels))
+        return picked.values[at * 16 + ids % 16]
+
 
 class TorchOps:
     name = "torch"

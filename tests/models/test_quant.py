@@ -176,6 +176,18 @@ def test_embedding_dequantizes_the_rows_asked_for(kind):
         embedding(table, torch.tensor([50]))
 
 
+@needs_kernels
+@pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_tied_embedding_takes_its_rows_from_the_lm_heads_panels(kind):
+    """The embedding of a tied table, read from the panels the LM head keeps (so the table is held once): the
+    bits of the weight's own rows, for ids in any panel, the padded last one included, repeated and unordered."""
+    table = torch.randn(50, 256) if kind == "F32" else _blocks(kind, 50, 256, 9)
+    packed = BUILDS[0].prepare(table)
+    ids = torch.tensor([49, 3, 0, 3, 17, 48, 16])
+    values = table if kind == "F32" else dequantize(table)
+    assert torch.equal(packed.take(ids), values[ids])
+
+
 def test_dequantize_is_ggufs():
     b = _blocks("Q5_K", 3, 512, 8)
     ref = gguf.quants.dequantize(b.rows.numpy(), gguf.GGMLQuantizationType.Q5_K)
