@@ -6,7 +6,7 @@ from prefixcache.models import loader
 from prefixcache.models.catalog import default_model_path
 
 SHAPE = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+             num_key_value_heads=2, max_position_embeddings=16384, rms_norm_eps=1e-5, tie_word_embeddings=True,
              bos_token_id=1, eos_token_id=2)
 LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}  # Llama 3.2's

@@ -1,6 +1,7 @@
 """GGUF files written the way llama.cpp's converter writes them, from an HF folder: its metadata, q and k with each
 head's rotary pairs interleaved (Llama), each weight quantized by the gguf package to a type of our choosing, and
 the default model's tokenizer. For tests of the loader and the kernels on files as they ship."""
+import functools
 import json
 import math
 import os
@@ -21,12 +22,13 @@ GGUF_NAMES = {
 }
 
 
-def write_gguf(folder: str, path: str, kind_of, rope_factors: bool = False) -> str:
-    """A GGUF of the HF model in `folder`; `kind_of(gguf name)` gives each 2-D weight's type ("F32" for none).
-    With `rope_factors`, a Llama 3.x config's RoPE scaling is written as llama.cpp does: a rope_freqs tensor."""
+def write_gguf(folder: str, path: str, kind_of, rope_factors: bool = False, arch: str = "") -> str:
+    """A GGUF of the HF model in `folder`; `kind_of(gguf name)` gives each 2-D weight's type ("F32" for none; a type
+    the gguf package cannot quantize gets random blocks). With `rope_factors`, a Llama 3.x config's RoPE scaling is
+    written as llama.cpp does: a rope_freqs tensor. `arch` names another architecture than the model's."""
     with open(os.path.join(folder, "config.json")) as f:
         hf = json.load(f)
-    arch = {"mistral": "llama"}.get(hf["model_type"], hf["model_type"])
+    arch = arch or {"mistral": "llama"}.get(hf["model_type"], hf["model_type"])
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
@@ -55,7 +57,13 @@ def write_gguf(folder: str, path: str, kind_of, rope_factors: bool = False) -> s
             w.add_tensor(g, data)
         else:
             qtype = gguf.GGMLQuantizationType[kind]
-            w.add_tensor(g, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            try:
+                blocks = gguf.quants.quantize(data, qtype)
+            except NotImplementedError:
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                blocks = np.random.default_rng(0).integers(0, 256, (data.shape[0], data.shape[1] // block * size),
+                                                           dtype=np.uint8)
+            w.add_tensor(g, blocks, raw_dtype=qtype)
     if rope_factors:
         w.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
     w.write_header_to_file()
@@ -96,11 +104,16 @@ def _gguf_name(hf_name: str) -> str:
 
 
 def _copy_tokenizer(w: gguf.GGUFWriter) -> None:
+    for key, value, vtype, sub in _tokenizer_fields():
+        w.add_key_value(key, value, vtype, sub)
+
+
+@functools.cache
+def _tokenizer_fields() -> list[tuple]:
+    """The default model's tokenizer fields (the gguf package takes seconds to read them)."""
     reader = gguf.GGUFReader(default_model_path())
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, field.contents(), field.types[0], sub)
+    return [(key, field.contents(), field.types[0], field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY
+             else None) for key, field in reader.fields.items() if key.startswith("tokenizer.")]
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute

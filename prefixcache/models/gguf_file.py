@@ -127,7 +127,7 @@ def _tensors(file: np.memmap, table: list[dict], fields: dict, family: Family):
         elif kind in KINDS:
             data = np.array(values)  # [rows, bytes of a row's blocks] (float16 values, for F16)
         else:
-            raise ValueError(f"GGUF tensor {name!r} is of type {kind}, which we cannot read yet; supported: "
+            raise ValueError(f"GGUF tensor {t['name']!r} is of type {kind}, which we cannot read yet; supported: "
                              f"F32, {', '.join(KINDS)}")
         if family.gguf_permuted_qk and parts[-2] in ("attn_q", "attn_k"):
             data = _unpermute(data, heads if parts[-2] == "attn_q" else kv_heads)

@@ -119,3 +119,20 @@ def test_a_gguf_of_each_family_gives_the_bits_of_its_dequantized_weights(family,
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT + outs[0].token_ids[:-1]])).logits[0, len(PROMPT) - 1:]
     assert (logits[0] - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_a_bad_gguf_is_refused_at_load_naming_what_is_wrong(llama, tmp_path):
+    """An architecture we do not know, a tensor of a type the kernels do not read, a file cut short: a clear error
+    at load, never a model."""
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+        loader.load(write_gguf(llama, str(tmp_path / "arch.gguf"), _kinds, arch="gpt2"))
+    odd = write_gguf(llama, str(tmp_path / "iq.gguf"), lambda n: "IQ4_NL" if "ffn_up" in n else _kinds(n))
+    with pytest.raises(ValueError, match="'blk.0.ffn_up.weight' is of type IQ4_NL, which we cannot read yet"):
+        loader.load(odd)
+    whole = write_gguf(llama, str(tmp_path / "whole.gguf"), _kinds)
+    with open(whole, "rb") as f:
+        data = f.read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) * 3 // 4])
+    with pytest.raises(ValueError, match="corrupt or unreadable GGUF|truncated"):
+        loader.load(str(cut))
