@@ -13,6 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from prefixcache.models.catalog import default_model_path
 
+# llama.cpp's names, written here apart from models/gguf_file.py's map: a wrong entry there fails the tests rather
+# than agreeing with itself
 GGUF_NAMES = {
     "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",

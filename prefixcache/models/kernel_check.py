@@ -48,11 +48,7 @@ def _paged(model, gen: torch.Generator) -> list[str]:
     k, v = (torch.randn(keys + bs, c.num_kv_heads, c.head_dim, generator=gen) for _ in range(2))
     pos = sorted(torch.randint(0, keys, (len(q),), generator=gen).tolist())
     table = (1 + torch.randperm(keys // bs, generator=gen)).tolist()
-    moved = (1 + torch.randperm(keys // bs, generator=gen)).tolist()  # the same keys in other blocks
-    k2, v2 = k.clone(), v.clone()
-    for a, b in zip(table, moved):
-        k2[b * bs:(b + 1) * bs], v2[b * bs:(b + 1) * bs] = k[a * bs:(a + 1) * bs], v[a * bs:(a + 1) * bs]
-
+    k2, v2, moved = paged.moved(k, v, table, gen, bs)
     pool, moved_pool = paged.laid_out(k, v), paged.laid_out(k2, v2)
 
     def run(queries, rows, kv=pool):

@@ -72,6 +72,18 @@ def laid_out(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return kp, vp
 
 
+def moved(k: torch.Tensor, v: torch.Tensor, table: list[int], gen: torch.Generator,
+          block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The same keys and values with each block of `table` moved to another, at random (for checks and tests): the
+    new k, v and table."""
+    new = (1 + torch.randperm(len(table), generator=gen)).tolist()
+    k2, v2 = k.clone(), v.clone()
+    for a, b in zip(table, new):
+        src, dst = slice(a * block_size, (a + 1) * block_size), slice(b * block_size, (b + 1) * block_size)
+        k2[dst], v2[dst] = k[src], v[src]
+    return k2, v2, new
+
+
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                slots: torch.Tensor, heads: int, kv_heads: int, isa: int) -> torch.Tensor:
     """qkv [rows, (heads + 2 kv heads) * d] -> the queries after RoPE [rows, heads, d], with the keys (after RoPE)

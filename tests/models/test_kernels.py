@@ -158,10 +158,7 @@ def test_paged_attention_rows_do_not_depend_on_batch_chunking_placement_threads_
             assert torch.equal(ref, alone), t
     finally:
         torch.set_num_threads(threads)
-    moved = (1 + torch.randperm(len(table), generator=g)).tolist()
-    k2, v2 = k.clone(), v.clone()
-    for a, b in zip(table, moved):
-        k2[b * 16:(b + 1) * 16], v2[b * 16:(b + 1) * 16] = k[a * 16:(a + 1) * 16], v[a * 16:(a + 1) * 16]
+    k2, v2, moved = paged.moved(k, v, table, g)
     chunks = [Queries(0, pos[:7], keys - 33, moved), Queries(7, pos[7:], keys, moved)]
     out = paged.attend(q[:40], *paged.laid_out(k2, v2), paged.plan(chunks, 40, 16), BUILDS[-1].isa)
     assert torch.equal(out, ref[:40])

@@ -63,10 +63,7 @@ def test_a_windowed_row_does_not_depend_on_batch_chunking_threads_placement_or_b
                 assert torch.equal(alone, whole), (t, ops.name)
     finally:
         torch.set_num_threads(threads)
-    moved = (1 + torch.randperm(len(table), generator=g)).tolist()
-    k2, v2 = k.clone(), v.clone()
-    for a, b in zip(table, moved):
-        k2[b * 16:(b + 1) * 16], v2[b * 16:(b + 1) * 16] = k[a * 16:(a + 1) * 16], v[a * 16:(a + 1) * 16]
+    k2, v2, moved = paged.moved(k, v, table, g)
     chunks = [Queries(0, pos[:5], pos[4] + 1, moved), Queries(5, pos[5:], KEYS, moved)]
     out = paged.attend(q, *paged.laid_out(k2, v2), paged.plan(chunks, len(pos), 16, window), BUILDS[-1].isa)
     assert torch.equal(out, whole)
