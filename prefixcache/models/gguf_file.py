@@ -104,6 +104,7 @@ def _tensors(file: np.memmap, table: list[dict], fields: dict, family: Family):
     arch = family.gguf_arch
     heads = fields[f"{arch}.attention.head_count"]
     kv_heads = fields.get(f"{arch}.attention.head_count_kv") or heads
+    names = {**NAMES, **family.gguf_names}
     for t in table:
         name, kind, parts = t["name"], t["kind"], t["name"].split(".")
         raw = file[t["offset"]:t["offset"] + t["bytes"]]
@@ -113,7 +114,6 @@ def _tensors(file: np.memmap, table: list[dict], fields: dict, family: Family):
         if name == ROPE_FACTORS:
             yield name, torch.from_numpy(np.array(values, dtype=np.float32))
             continue
-        names = {**NAMES, **family.gguf_names}
         if parts[0] == "blk" and parts[2] in names:
             name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
         elif parts[0] in NAMES and len(parts) == 2:

@@ -106,7 +106,7 @@ class Llama:
         positions = F.pad(batch.positions, (0, pad))
         tables = {False: (self.cos[positions], self.sin[positions])}  # by whether a layer is local
         tables[True] = (self.local_cos[positions], self.local_sin[positions]) if c.local_rope else tables[False]
-        windows = {False: 0, True: c.sliding_window}
+        windows = {False: 0, True: c.sliding_window} if c.local_layers else {False: 0}  # a plan per kind of layer
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if self.paged:
             plans = {local: paged.plan(batch.queries, n, pool.block_size, window) for local, window in windows.items()}
