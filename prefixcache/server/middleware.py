@@ -7,26 +7,49 @@ from prefixcache.server.errors import ApiError
 METRICS_PORT = "prefixcache.metrics_port"  # in a request's scope: it came in on --metrics-port
 CHARGED = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/tokenize", "/detokenize",
            "/v1/completions/render", "/v1/chat/completions/render"}  # the routes that take a Depends(principal)
+METERED = CHARGED | {"/v1/cache/keys"}  # the routes whose bodies are read at the intake's rate, by tenant
 
 
 class Admission:
-    """Authenticates a request to a CHARGED route and takes one request from its tenant's rate limit from the headers
-    alone, before the body is read: a bad credential is a 401 whatever the body, and a tenant over its limit costs the
-    server its headers, not the parsing of its body. The caller goes on in the request's state (state.principal)."""
+    """Authenticates a request to a METERED route and takes one request from its tenant's rate limit (CHARGED routes)
+    from the headers alone, before the body is read: a bad credential is a 401 whatever the body, and a tenant over
+    its limit costs the server its headers, not the parsing of its body. The body is then read at the intake's rate
+    (server/intake.py), in the tenant's turn. The caller goes on in the request's state (state.principal)."""
 
     def __init__(self, app, server):
         self.app, self.server = app, server  # server: state.Server
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] not in CHARGED:
+        if scope["type"] != "http" or scope["path"] not in METERED:
             return await self.app(scope, receive, send)
+        intake = self.server.intake
         try:
             caller = self.server.auth(Request(scope))
-            self.server.charge(caller)
+            if scope["path"] in CHARGED:
+                self.server.charge(caller)
+            if not intake.begin(caller.tenant):
+                raise ApiError(429, f"tenant {caller.tenant!r} has {intake.bound} request bodies being read; retry "
+                                    "later", code="rate_limit_exceeded", retry_after=1)
         except ApiError as e:
             return await self.server.refusal(scope["path"], e)(scope, receive, send)
         scope.setdefault("state", {})["principal"] = caller
-        return await self.app(scope, receive, send)
+        reading = True
+
+        async def metered():
+            nonlocal reading
+            message = await receive()
+            if reading and message["type"] == "http.request":
+                await intake.take(caller.tenant, len(message.get("body", b"")))
+                if not message.get("more_body"):
+                    reading = False
+                    intake.end(caller.tenant)
+            return message
+
+        try:
+            return await self.app(scope, metered, send)
+        finally:
+            if reading:
+                intake.end(caller.tenant)
 
 
 class MetricsPort:

@@ -8,6 +8,7 @@ stops at once, as uvicorn does.
 """
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -18,6 +19,9 @@ from prefixcache.server.config import ServeConfig
 from prefixcache.server.state import Server
 
 CUT_SECONDS = 1.0  # after the grace period: how long uvicorn waits for connections before cutting them
+# how long a thread may hold the GIL while another waits for it (Python's default: 5 ms). The engine thread gives
+# the GIL up in every kernel call, about 200 a step, and waits this long for it whenever the event loop is busy
+SWITCH_SECONDS = 5e-4
 
 
 class Draining(uvicorn.Server):
@@ -41,6 +45,7 @@ class Draining(uvicorn.Server):
 def serve(cfg: ServeConfig) -> None:
     """The app on its port, and on --metrics-port when given: one server, so both drain and stop together."""
     sockets = [listen(cfg.host, port) for port in (cfg.port, cfg.metrics_port) if port]
+    sys.setswitchinterval(SWITCH_SECONDS)
     app = create_app(cfg)
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=CUT_SECONDS)
     Draining(config, app.state.server, cfg.grace_seconds).run(sockets=sockets)

@@ -20,6 +20,7 @@ from prefixcache.server.config import ServeConfig
 from prefixcache.server.errors import ApiError
 from prefixcache.server.gate import admits
 from prefixcache.server.generation import CLIENT_CLOSED, Generation
+from prefixcache.server.intake import Intake
 from prefixcache.server.limits import RateLimits
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.oidc import OidcVerifier
@@ -66,6 +67,7 @@ class Server:
         # tenant may have as many requests waiting there as the server holds in flight, then 429
         self.capacity = cfg.engine.max_num_seqs + cfg.max_queue  # requests in flight (server/gate.py)
         self.preparer = FairThread("prepare", self.capacity)
+        self.intake = Intake(cfg.intake_bytes_per_s, cfg.max_body_bytes, self.capacity)
         self.draining = False  # after SIGTERM: running requests finish, new ones get 503 (server/serve.py)
 
     def reload_keys(self) -> None:
@@ -77,6 +79,7 @@ class Server:
         if self.keys:
             self.shares = shares = self.keys.shares()
             self.preparer.set_shares(shares)
+            self.intake.set_shares(shares)
             self.worker.inbox.put(lambda: self.engine.cache.set_shares(shares))
 
     def auth(self, request: Request) -> Principal:
