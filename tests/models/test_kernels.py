@@ -1,5 +1,8 @@
 """Our CPU kernels (prefixcache/kernels) against float64, bit for bit against themselves whatever the rows, threads,
 ISA build, batch, chunking and block placement, and the engine's fallback to the torch path."""
+import dataclasses
+import functools
+import inspect
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,8 +19,10 @@ from prefixcache.kernels import build
 from prefixcache.models import paged
 from prefixcache.models.attention import Queries
 from prefixcache.models.kernel_check import attention64
-from prefixcache.models.llama import _rope
-from prefixcache.models.rowwise import KernelOps
+from prefixcache.models.llama import Llama, _rope
+from prefixcache.models.loader import load
+from prefixcache.models.probe import _confirm, probe
+from prefixcache.models.rowwise import KernelOps, Packed
 
 AVAILABLE = kernels.choose("auto").isa
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"kernels: {kernels.choose('auto').status}")
@@ -230,14 +235,82 @@ def test_builds_at_once_take_turns_and_the_library_appears_whole(monkeypatch, tm
 def test_a_kernel_that_fails_the_startup_check_falls_back_to_torch(tiny_model, monkeypatch, caplog, tmp_path):
     """A kernel giving other bits for one row count: the probe drops the kernels, and the torch path is probed."""
     monkeypatch.setenv("PREFIXCACHE_HOME", str(tmp_path))  # not the cached confirmation of the real kernels
-    real = KernelOps.linear
+    real = KernelOps.norm_linear
 
-    def linear(self, x, weight, bias=None):
-        y = real(self, x, weight, bias)
-        return y + 1e-3 if x.shape[0] == 5 else y
-    monkeypatch.setattr(KernelOps, "linear", linear)
+    def norm_linear(self, x, *args):
+        y = real(self, x, *args)
+        return y + 1e-3 if x.shape[0] == 300 else y  # a row count past those probed densely before
+    monkeypatch.setattr(KernelOps, "norm_linear", norm_linear)
     llm = LLM(model=tiny_model, enable_prefix_cache=False)
     plan = llm.exactness
-    assert plan.mode == "pad" and plan.kernels.startswith("off: failed the startup check (qkv differs at [5] rows")
+    assert plan.mode == "pad"
+    assert plan.kernels.startswith("off: failed the startup check (rms_norm+qkv differs at [300] rows")
     assert not llm.engine.runner.model.paged and "running the torch path" in caplog.text
     assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
+
+
+def _recording(monkeypatch) -> dict[tuple, set[int]]:
+    """Every call of KernelOps' methods and of paged's kernel ops from now on: (op, its arguments but the rows'
+    own tensor, each as what it is: a weight by its shape, a tensor, None, a window) -> its calls' row counts."""
+    calls: dict[tuple, set[int]] = {}
+
+    def what(v):
+        return ("weight", tuple(v.shape)) if isinstance(v, Packed) else "tensor" if isinstance(v, torch.Tensor) else v
+
+    def record(name, fn, variant):
+        @functools.wraps(fn)  # the probe's float64 check finds the reference by the op's name
+        def recorded(*args, **kwargs):
+            key, rows = variant(*args, **kwargs)
+            calls.setdefault((name, key), set()).add(rows)
+            return fn(*args, **kwargs)
+        return recorded
+
+    def method_variant(fn):
+        def variant(*args, **kwargs):
+            bound = inspect.signature(fn).bind(*args, **kwargs)
+            bound.apply_defaults()
+            _, x, *rest = bound.arguments.items()
+            return tuple((k, what(v)) for k, v in rest), x[1].shape[0]
+        return variant
+    for name, fn in vars(KernelOps).items():
+        if callable(fn) and not name.startswith("_"):
+            monkeypatch.setattr(KernelOps, name, record(name, fn, method_variant(fn)))
+    monkeypatch.setattr(paged, "rope_store", record("rope_store", paged.rope_store, lambda qkv, *a: ((), len(qkv))))
+    monkeypatch.setattr(paged, "attend",
+                        record("attend", paged.attend, lambda q, k, v, p, *a: ((("window", p.window),), len(q))))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["tiny_model", "tiny_gemma"])
+def test_the_probe_checks_every_call_the_forward_makes_at_every_row_count(family, request, monkeypatch):
+    """Whatever the forward calls on our kernels (found by running it, not listed here: a fused GEMM with its norm,
+    activation or residual, a norm, RoPE with the KV store, attention with and without a window), the startup probe
+    calls too, with the same kinds of arguments, at every row count from 1 to the batch limit (the LM head's: to
+    max_head_rows)."""
+    llm = LLM(model=request.getfixturevalue(family), enable_prefix_cache=False, max_batch_tokens=80, max_num_seqs=4)
+    model = llm.engine.runner.model
+    assert model.paged
+    forward = _recording(monkeypatch)
+    llm.generate([list(range(5, 200)), [7] * 30, [9, 8, 7]], GREEDY)
+    monkeypatch.undo()
+    if family == "tiny_gemma":
+        assert {("attend", (("window", w),)) for w in (0, 128)} <= set(forward)  # global and local layers
+    probed = _recording(monkeypatch)
+    plan = _confirm(model, "kernel", 80, 4, "")
+    assert plan.mode == "kernel", plan.note
+    head = ("weight", tuple(model.lm_head.shape))
+    for call in forward:
+        rows = 4 if head in dict(call[1]).values() else 80
+        assert call in probed and set(range(1, rows + 1)) <= probed[call], call
+
+
+def test_a_probe_cached_for_one_library_is_not_reused_for_another(tiny_model, monkeypatch, tmp_path):
+    """The probe's cache is keyed by the built library's bytes: a library rebuilt from the same sources (another
+    compiler, other flags) is confirmed again."""
+    monkeypatch.setenv("PREFIXCACHE_HOME", str(tmp_path))
+    model = Llama(load(tiny_model), 512, BUILDS[0])
+    first, again = probe(model, "auto", 64, 4), probe(model, "auto", 64, 4)
+    assert first.mode == "kernel" and not first.cached and again.cached
+    real = kernels.loaded()
+    monkeypatch.setattr(kernels, "loaded", lambda: dataclasses.replace(real, sha256="0" * 64))
+    assert not probe(model, "auto", 64, 4).cached
