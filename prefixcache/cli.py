@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "that met and missed it (prefixcache:slo_requests_total)")
     p.add_argument("--slo-tpot-ms", type=float, help="a time-per-output-token objective (after the first token, as "
                    "vLLM's benchmark computes it), counted the same way")
+    p.add_argument("--allow-torch-path", action="store_true", default=None, help="serve even where our kernels cannot "
+                   "run, on the torch path (4-5x slower decode); without it the server refuses to start there and "
+                   "says why")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
 

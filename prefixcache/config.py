@@ -1,12 +1,18 @@
 """The engine's options: every default, and their validation. The ground floor: it imports nothing of prefixcache
 and reads nothing when a Config is built; what depends on the machine (the model's path, bfloat16 support) is
 resolved where it is used (models/catalog.py, models/cpu.py)."""
+import os
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16")
 MODES = ("auto", "pad", "fixed", "rows")  # exactness; the probe may also choose "kernel", when our kernels run
 ISAS = ("avx512", "avx2")  # our kernel builds, best first (prefixcache/kernels); the ops' isa argument indexes this
 KERNELS = ("auto", *ISAS, "off")
+
+
+def cache_home() -> str:
+    """The user cache: built kernels, probe results, GGUF indexes and tokenizers, shipped models' files."""
+    return os.environ.get("PREFIXCACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "prefixcache"))
 
 
 @dataclass

@@ -18,7 +18,7 @@ def run(args) -> None:
     print(f"probe    {'cached' if plan.cached else 'ran'}, {plan.probe_seconds:.2f} s; row counts whose every row "
           "equals a reference call's:")
     for c in plan.ops:
-        print(f"  {c.name:10} {c.shape:12} agree {_ranges(c.agree) or '-'}; differ {_ranges(c.differ) or '-'}")
+        print(f"  {c.name:20} {c.shape:12} agree {_ranges(c.agree) or '-'}; differ {_ranges(c.differ) or '-'}")
     if plan.mode == "kernel":
         print("mode     kernel: row-wise calls of any row count, unpadded; paged attention, one call per layer"
               f"\nnote     {plan.note}")

@@ -3,31 +3,43 @@
 Each kernel computes every output in an order fixed by the problem's own sizes (K for a GEMM element, the key
 blocks for an attention row), never by the batch, the thread count or the ISA: the AVX-512 and AVX2 builds give
 the same bits. `choose` says which build to run, or why none can run; then the model runs its torch path.
+
+The sources ship in the package; the library is built from them once (build.py: `make setup`, or on first use
+where a compiler is) into the user cache, $PREFIXCACHE_HOME/kernels/<sources and torch>/<compiler>/. A process
+without a compiler (an image that ships the library, not the compiler that built it) loads a build by any compiler.
 """
+import functools
 import glob
 import hashlib
 import logging
 import os
+import platform
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
 
-from prefixcache.config import ISAS
+from prefixcache.config import ISAS, cache_home
 
 log = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BUILD = os.path.join(HERE, "build")
 LIBRARY = "prefixcache_kernels"
 SOURCES = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
-
-_loaded: list[str] = []  # the reason the library is not loaded, or "" once it is
 
 
 @dataclass
 class Choice:
     isa: str  # "" for the torch path
     status: str  # what runs, and why
+
+
+@dataclass
+class Library:
+    path: str  # the library this process loaded; "" when none
+    sha256: str  # its bytes' hash: what the probe's cache is keyed by
+    problem: str  # why none is loaded, or ""
 
 
 def source_hash() -> str:
@@ -38,38 +50,75 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
+def compiler() -> str:
+    """The first line of `--version` of the C++ compiler torch's toolchain runs ($CXX, else c++); "" when none."""
+    try:
+        run = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return run.stdout.partition("\n")[0] if run.returncode == 0 else ""
+
+
+def folder() -> str:
+    """Where the builds of these sources for this torch live, one subfolder per compiler."""
+    key = f"{source_hash()} torch {torch.__version__} {platform.machine()}"
+    return os.path.join(cache_home(), "kernels", hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+def build_folder(cc: str) -> str:
+    """The build of these sources for this torch by compiler `cc` (compiler())."""
+    return os.path.join(folder(), hashlib.sha256(cc.encode()).hexdigest()[:16])
+
+
+def find(cc: str) -> str:
+    """The library built by `cc`, or with no compiler by any; "" when there is none."""
+    builds = [build_folder(cc)] if cc else sorted(glob.glob(os.path.join(folder(), "*")))  # not .lock, .build-*
+    return next((p for p in (os.path.join(b, f"{LIBRARY}.so") for b in builds) if os.path.exists(p)), "")
+
+
 def choose(want: str = "auto") -> Choice:
     """The build to run for `want` ("auto" or one of ISAS) on this CPU. Logs a warning when the torch path must run
     though kernels were asked for."""
     assert want in ("auto", *ISAS), want
-    problem = _load()
+    lib = loaded()
+    problem = lib.problem
     if not problem:
         supported = torch.ops.prefixcache.supported()
         isa = next((i for i in ISAS if want in ("auto", i) and i in supported), "")
         if isa:
-            return Choice(isa, f"{isa} (built from the current sources; this CPU has {', '.join(supported)})")
+            with open(os.path.join(os.path.dirname(lib.path), "compiler")) as f:
+                return Choice(isa, f"{isa} (built from the current sources for torch {torch.__version__} by "
+                              f"{f.read().strip()}; this CPU has {', '.join(supported)})")
         problem = f"this CPU lacks {want if want != 'auto' else 'AVX2 and FMA'}"
     log.warning("prefixcache kernels: %s; running the torch path", problem)
     return Choice("", f"off: {problem}")
 
 
-def _load() -> str:
-    """Load the library once: "" when loaded, else why not."""
-    if not _loaded:
-        _loaded.append(_try_load())
-    return _loaded[0]
+@functools.cache
+def loaded() -> Library:
+    """The library, loaded once per process: found in the user cache, else built there first."""
+    return _load()
 
 
-def _try_load() -> str:
+def _load() -> Library:
+    cc = compiler()
+    path = find(cc)
+    if not path and not cc:
+        return Library("", "", f"not built: no C++ compiler ($CXX or c++) to build them, and no build for these "
+                       f"sources and torch {torch.__version__} in {folder()}")
+    if not path:
+        log.warning("prefixcache kernels: compiling them into %s (once for these sources, compiler and torch; a few "
+                    "minutes)", folder())
+        root = os.path.dirname(os.path.dirname(HERE))  # this package's, whatever the working directory
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        run = subprocess.run([sys.executable, "-m", "prefixcache.kernels.build"], capture_output=True, text=True,
+                             env=env)
+        path = find(cc)
+        if run.returncode or not path:
+            return Library("", "", f"failed to build ({(run.stderr.strip() or 'no library').splitlines()[-1]})")
     try:
-        with open(os.path.join(BUILD, "sources.sha256")) as f:
-            built = f.read().strip()
-    except OSError:
-        return "not built (make setup builds it)"
-    if built != source_hash():
-        return "built from other sources (make setup rebuilds it)"
-    try:
-        torch.ops.load_library(os.path.join(BUILD, f"{LIBRARY}.so"))
+        torch.ops.load_library(path)
     except (OSError, RuntimeError) as e:
-        return f"failed to load ({e})"
-    return ""
+        return Library("", "", f"failed to load {path} ({e})")
+    with open(path, "rb") as f:
+        return Library(path, hashlib.sha256(f.read()).hexdigest(), "")

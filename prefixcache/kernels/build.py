@@ -1,24 +1,42 @@
-"""Build the kernel library (`make setup` runs this): C++ in csrc/, through torch's extension toolchain, into
-build/. The engine loads the result only if it was built from the sources as they are now (kernels/__init__.py)."""
+"""Build the kernel library (`make setup` runs this, and the engine on first use where no build is found): C++ in
+csrc/, through torch's extension toolchain, into the user cache (kernels/__init__.py says where). Processes that
+build at once take turns on a lock; each build runs in a folder of its own, renamed into place when complete."""
+import fcntl
 import os
+import shutil
 import sys
+import tempfile
 
-from prefixcache.kernels import BUILD, LIBRARY, SOURCES, source_hash
+from prefixcache.kernels import LIBRARY, SOURCES, build_folder, compiler, find, folder
 
 
 def build() -> str:
     from torch.utils.cpp_extension import load
 
-    os.makedirs(BUILD, exist_ok=True)
+    cc = compiler()
+    if not cc:
+        raise SystemExit("prefixcache kernels: no C++ compiler ($CXX or c++): install g++")
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # pip's ninja
-    # no -ffast-math and no fused a*b+c beyond the kernels' own fma: the bits must not depend on the compiler's
-    # choices; -fno-math-errno lets sqrtf be the instruction. OpenMP for at::parallel_for: the library then needs
-    # libgomp.so.1, which resolves to the one torch has already loaded
-    load(name=LIBRARY, sources=SOURCES, build_directory=BUILD, is_python_module=False, verbose=False,
-         extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    with open(os.path.join(BUILD, "sources.sha256"), "w") as f:
-        f.write(source_hash())
-    return os.path.join(BUILD, f"{LIBRARY}.so")
+    os.makedirs(folder(), exist_ok=True)
+    with open(os.path.join(folder(), ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if find(cc):
+            return find(cc)  # built while this process waited
+        work = tempfile.mkdtemp(prefix=".build-", dir=folder())
+        os.chmod(work, 0o755)  # readable by users other than the builder, as any folder of the cache
+        try:
+            # no -ffast-math and no fused a*b+c beyond the kernels' own fma: the bits must not depend on the compiler's
+            # choices; -fno-math-errno lets sqrtf be the instruction. OpenMP for at::parallel_for: the library then
+            # needs libgomp.so.1, which resolves to the one torch has already loaded
+            load(name=LIBRARY, sources=SOURCES, build_directory=work, is_python_module=False, verbose=False,
+                 extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"])
+            with open(os.path.join(work, "compiler"), "w") as f:
+                f.write(cc + "\n")
+            shutil.rmtree(build_folder(cc), ignore_errors=True)  # a build that lost its library
+            os.rename(work, build_folder(cc))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return find(cc)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ class RowOp:
     args: tuple
     width: int  # columns of x
     head: bool = False  # the LM head: called with the rows that need logits only
+    residual: int = 0  # columns of a residual the call adds to its result (fused, on our kernels); 0: none
 
     @property
     def shape(self) -> str:
@@ -148,7 +149,8 @@ def choose(ops: list[RowOp], attention: Target, mode: str, max_rows: int, max_he
 
 def row_target(op: RowOp, n_rows: int, dtype: torch.dtype, gen: torch.Generator) -> Target:
     x = torch.randn(n_rows, op.width, generator=gen).to(dtype)
-    return lambda lo, hi, size: in_calls(op.fn, x[lo:hi], size, *op.args)
+    r = torch.randn(n_rows, op.residual, generator=gen).to(dtype) if op.residual else None
+    return lambda lo, hi, size: in_calls(op.fn, x[lo:hi], size, *op.args, residual=None if r is None else r[lo:hi])
 
 
 def row_counts(limit: int) -> list[int]:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import xxhash
 
+from prefixcache.config import cache_home
 from prefixcache.models.families import Family, by_gguf_arch
 from prefixcache.models.quant import KINDS, Blocks
 
@@ -138,10 +139,6 @@ def _tensors(file: np.memmap, table: list[dict], fields: dict, family: Family):
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     shape = w.shape
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-
-
-def cache_home() -> str:
-    return os.environ.get("PREFIXCACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "prefixcache"))
 
 
 def read_tokenizer(path: str, digest: str = ""):

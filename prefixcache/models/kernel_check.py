@@ -1,19 +1,61 @@
-"""What the startup probe (models/probe.py) checks of our kernels beyond the row counts (mode "kernel"): paged
-attention rows equal whatever their batch, items and block placement, and every op agrees with float64; and, at
-every start, that each weight read as shipped (models/quant.py) gives the bits of its dequantized values."""
+"""What the startup probe (models/probe.py) checks of our kernels beside the row-wise ops' row counts (mode
+"kernel"): RoPE with the KV store, and paged attention with each window the model uses, at every row count; paged
+attention rows equal whatever their batch, items and block placement; every op agrees with float64; and, at every
+start, that each weight read as shipped (models/quant.py) gives the bits of its dequantized values."""
 import torch
 import torch.nn.functional as F
 
 from prefixcache.models import paged
 from prefixcache.models.attention import Queries
+from prefixcache.models.exactness import Target
 from prefixcache.models.rowwise import TorchOps
 
 BLOCK = 16  # the probe pool's block size
+SWEEP_KEYS = 320  # keys past a window in the row counts' check of attention: beyond one span of 256 (paged.py)
 
 
 def problems(model, gen: torch.Generator) -> list[str]:
     """What is wrong with `model`'s kernels (a Llama on KernelOps), or nothing."""
-    return _paged(model, gen) + _accuracy(model, gen)
+    return [p for window in model.windows.values() for p in _paged(model, gen, window)] + _accuracy(model, gen)
+
+
+def paged_targets(model, n_rows: int, gen: torch.Generator) -> list[tuple[str, str, Target]]:
+    """RoPE with the KV store, and attention with each window the model uses, as the probe's targets (name, shape,
+    g(lo, hi, size)): tokens lo..hi of n_rows random ones in one call, their outputs (for rope_store, also the keys
+    and values it stored) a row each. In an attention call, the first half of the tokens decode (a query each) and
+    the rest are one sequence's, all over the same keys in shuffled blocks."""
+    c, isa = model.config, model.ops.isa
+    heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
+    slots = -(-n_rows // BLOCK) * BLOCK
+    qkv = torch.randn(n_rows, (heads + 2 * kv) * d, generator=gen)
+    at = torch.randint(0, c.max_position, (n_rows,), generator=gen)
+
+    def rope_store(lo: int, hi: int, size: int) -> torch.Tensor:
+        k_pool, v_pool = torch.zeros(slots, kv, d), torch.zeros(slots, kv, d)
+        s = torch.arange(lo, hi)
+        q = paged.rope_store(qkv[lo:hi], model.cos[at[lo:hi]], model.sin[at[lo:hi]], k_pool, v_pool, s, heads, kv, isa)
+        k = k_pool.view(-1, kv, d, BLOCK)[s // BLOCK, :, :, s % BLOCK]
+        v = v_pool.view(-1, kv, BLOCK, d)[s // BLOCK, :, s % BLOCK]
+        return torch.cat([t.reshape(hi - lo, -1) for t in (q, k, v)], dim=1)
+    return [("rope_store", f"{heads}+{kv}+{kv} heads", rope_store)] + [
+        _attend_target(model, window, n_rows, gen) for window in model.windows.values()]
+
+
+def _attend_target(model, window: int, n_rows: int, gen: torch.Generator) -> tuple[str, str, Target]:
+    c = model.config
+    keys = -(-(window + SWEEP_KEYS) // BLOCK) * BLOCK
+    q = torch.randn(n_rows, c.num_heads, c.head_dim, generator=gen)
+    pool = paged.laid_out(*(torch.randn(keys + BLOCK, c.num_kv_heads, c.head_dim, generator=gen) for _ in range(2)))
+    pos = torch.randint(0, keys, (n_rows,), generator=gen).tolist()
+    table = (1 + torch.randperm(keys // BLOCK, generator=gen)).tolist()
+
+    def attend(lo: int, hi: int, size: int) -> torch.Tensor:
+        mid = (lo + hi) // 2
+        queries = [Queries(i - lo, [pos[i]], keys, table) for i in range(lo, mid)]
+        queries.append(Queries(mid - lo, pos[mid:hi], keys, table))
+        return paged.attend(q[lo:hi], *pool, paged.plan(queries, hi - lo, BLOCK, window), model.ops.isa,
+                            model.attn_scale)
+    return "attend" + (f" window {window}" if window else ""), f"{keys} keys", attend
 
 
 def shipped(model, gen: torch.Generator) -> list[str]:
@@ -40,9 +82,10 @@ def attention64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     return (w.unsqueeze(1) @ v).squeeze(1)
 
 
-def _paged(model, gen: torch.Generator) -> list[str]:
-    """Paged attention on 40 tokens of one sequence (2 tiles of keys in shuffled blocks): as one query, as 40
-    one-token queries (grouped as decode), one by one, and with every block moved, each row's bits must match."""
+def _paged(model, gen: torch.Generator, window: int) -> list[str]:
+    """Paged attention, reading a token's last `window` keys (0: all), on 40 tokens of one sequence (2 tiles of keys
+    in shuffled blocks): as one query, as 40 one-token queries (grouped as decode), one by one, and with every block
+    moved, each row's bits must match; and float64's within rounding."""
     c, keys, bs = model.config, 2 * model.tile, BLOCK
     q = torch.randn(40, c.num_heads, c.head_dim, generator=gen)
     k, v = (torch.randn(keys + bs, c.num_kv_heads, c.head_dim, generator=gen) for _ in range(2))
@@ -52,30 +95,43 @@ def _paged(model, gen: torch.Generator) -> list[str]:
     pool, moved_pool = paged.laid_out(k, v), paged.laid_out(k2, v2)
 
     def run(queries, rows, kv=pool):
-        return paged.attend(rows, *kv, paged.plan(queries, len(rows), bs), model.ops.isa)
+        return paged.attend(rows, *kv, paged.plan(queries, len(rows), bs, window), model.ops.isa)
     whole = run([Queries(0, pos, keys, table)], q)
     ways = {"one-token queries": run([Queries(i, [p], keys, table) for i, p in enumerate(pos)], q),
             "one by one": torch.cat([run([Queries(0, [p], keys, table)], q[i:i + 1]) for i, p in enumerate(pos)]),
             "moved blocks": run([Queries(0, pos, keys, moved)], q, moved_pool)}
-    problems = [f"attention differs {how}" for how, out in ways.items() if not torch.equal(out, whole)]
-    ref = torch.stack([attention64(q[i], k[_slots(table, p, bs)], v[_slots(table, p, bs)]) for i, p in enumerate(pos)])
+    name = "attention" + (f" window {window}" if window else "")
+    problems = [f"{name} differs {how}" for how, out in ways.items() if not torch.equal(out, whole)]
+    slots = [_slots(table, p, bs, window) for p in pos]
+    ref = torch.stack([attention64(q[i], k[s], v[s]) for i, s in enumerate(slots)])
     err = ((whole.double() - ref).abs().max() / ref.abs().max()).item()
-    return problems + ([f"attention off float64 by {err:.1e}"] if err > 1e-5 else [])
+    return problems + ([f"{name} off float64 by {err:.1e}"] if err > 1e-5 else [])
+
+
+class _Float64(TorchOps):
+    """The torch path's ops in float64, the GEMM as F.linear (oneDNN's takes no float64)."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = F.linear(x, weight, bias)
+        return y if residual is None else residual + y
 
 
 def _accuracy(model, gen: torch.Generator) -> list[str]:
-    """Each row-wise op on 17 random rows against the same op in float64 on torch."""
-    ref_ops, problems = TorchOps(), []
-    for op in model.row_ops():
+    """Each row-wise call of the forward on 17 random rows against the same call in float64 on torch."""
+    ref_ops, problems = _Float64(), []
+    for op in model.kernel_row_ops():
         x = torch.randn(17, op.width, generator=gen)
+        r = {"residual": torch.randn(17, op.residual, generator=gen)} if op.residual else {}
         args64 = [ref_ops.prepare(a).double() if hasattr(a, "shape") else a for a in op.args]
-        fn64 = F.linear if op.fn.__name__ == "linear" else getattr(ref_ops, op.fn.__name__)
-        ref = fn64(x.double(), *args64)
-        err = ((op.fn(x, *op.args).double() - ref).abs().max() / ref.abs().max()).item()
+        ref = getattr(ref_ops, op.fn.__name__)(x.double(), *args64, **{k: t.double() for k, t in r.items()})
+        err = ((op.fn(x, *op.args, **r).double() - ref).abs().max() / ref.abs().max()).item()
         if err > 1e-5:
             problems.append(f"{op.name} off float64 by {err:.1e}")
     return problems
 
 
-def _slots(table: list[int], pos: int, bs: int) -> torch.Tensor:
-    return torch.tensor([table[p // bs] * bs + p % bs for p in range(pos + 1)])
+def _slots(table: list[int], pos: int, bs: int, window: int) -> torch.Tensor:
+    """The pool slots of the keys position `pos` reads."""
+    first = max(0, pos + 1 - window) if window else 0
+    return torch.tensor([table[p // bs] * bs + p % bs for p in range(first, pos + 1)])

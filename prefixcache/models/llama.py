@@ -72,6 +72,12 @@ class Llama:
         """On our kernels: row-wise calls of any size, and paged attention."""
         return isinstance(self.ops, KernelOps)
 
+    @property
+    def windows(self) -> dict[bool, int]:
+        """The keys a token attends to, by whether its layer is local (0: all); a model without local layers has no
+        True."""
+        return {False: 0, True: self.config.sliding_window} if self.config.local_layers else {False: 0}
+
     def gemm_weights(self) -> dict[str, torch.Tensor | Packed]:
         """Every GEMM's weight, by a name for people ("down of layer 3")."""
         named = {f"{name} of layer {i}": L[name] for i, L in enumerate(self.layers) for name in LINEARS}
@@ -106,7 +112,7 @@ class Llama:
         positions = F.pad(batch.positions, (0, pad))
         tables = {False: (self.cos[positions], self.sin[positions])}  # by whether a layer is local
         tables[True] = (self.local_cos[positions], self.local_sin[positions]) if c.local_rope else tables[False]
-        windows = {False: 0, True: c.sliding_window} if c.local_layers else {False: 0}  # a plan per kind of layer
+        windows = self.windows  # a plan per kind of layer
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if self.paged:
             plans = {local: paged.plan(batch.queries, n, pool.block_size, window) for local, window in windows.items()}
@@ -179,6 +185,22 @@ class Llama:
                 RowOp("rms_norm", ops.rms_norm, (L["ln1"], c.rms_norm_eps), c.hidden_size),
                 RowOp(glu.__name__, glu, (), 2 * c.intermediate_size)] + (
                 [RowOp("qk_norm", ops.rms_norm, (L["q_norm"], c.rms_norm_eps), c.head_dim)] if c.qk_norm else [])
+
+    def kernel_row_ops(self, layer: int = 0) -> list[RowOp]:
+        """The row-wise calls the forward makes on our kernels, each as it makes it (a norm or the MLP's activation
+        fused before a GEMM, a residual added after one): what the probe confirms there at every row count. On the
+        torch path such a call is row_ops() in turn, which the probe checks one by one."""
+        c, L, ops, eps = self.config, self.layers[layer], self.ops, self.config.rms_norm_eps
+        glu_linear = ops.swiglu_linear if c.activation == "silu" else ops.geglu_linear
+        glu = glu_linear.__name__.removesuffix("_linear")
+        residual, plus = (0, "") if c.sandwich_norms else (c.hidden_size, "+residual")
+        return [RowOp("rms_norm+qkv", ops.norm_linear, (L["ln1"], eps, L["qkv"], L["qkv_bias"]), c.hidden_size),
+                RowOp("o" + plus, ops.linear, (L["o"], None), c.num_heads * c.head_dim, residual=residual),
+                RowOp("rms_norm+gate_up", ops.norm_linear, (L["ln2"], eps, L["gate_up"]), c.hidden_size),
+                RowOp(f"{glu}+down{plus}", glu_linear, (L["down"],), 2 * c.intermediate_size, residual=residual),
+                RowOp("lm_head", ops.linear, (self.lm_head,), c.hidden_size, head=True),
+                RowOp("rms_norm", ops.rms_norm, (self.norm, eps), c.hidden_size)] + (
+                [RowOp("qk_norm", ops.rms_norm, (L["q_norm"], eps), c.head_dim)] if c.qk_norm else [])
 
     def _rows(self, fn, x: torch.Tensor, *args, residual: torch.Tensor | None = None) -> torch.Tensor:
         """A row-wise fn(x, *args) (+ residual), in calls of the row counts the exactness plan verified."""

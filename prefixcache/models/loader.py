@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 import xxhash
 
+from prefixcache.config import cache_home
 from prefixcache.models import families, gguf_file, quant, rope
 from prefixcache.models.quant import Blocks
 
@@ -96,7 +97,7 @@ def converted_folder(gguf_path: str) -> str:
     """An HF folder of a GGUF's weights dequantized to fp32, written once in the user cache: for peers and for
     HF transformers as a reference, never for our engine."""
     name = os.path.basename(gguf_path).removesuffix(".gguf")
-    folder = os.path.join(gguf_file.cache_home(), f"{name}-{gguf_file.file_digest(gguf_path)}")
+    folder = os.path.join(cache_home(), f"{name}-{gguf_file.file_digest(gguf_path)}")
     if not os.path.exists(os.path.join(folder, "model.safetensors")):
         convert_gguf(gguf_path, folder)
     return folder

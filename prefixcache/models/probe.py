@@ -2,10 +2,12 @@
 
 On the torch path it runs the model's own row-wise ops (every GEMM shape on the real weights, RMSNorm, SwiGLU) and
 its attention on random rows and compares each row with a reference call. On our kernels it confirms them (mode
-"kernel"): every row count of every row-wise op gives the reference's bits, attention rows equal whatever their
-batch, items and block placement, and each op agrees with a float64 reference (models/kernel_check.py). A kernel
-that fails any of this is dropped for the torch path, which is probed. Results are cached per CPU, flags, library
-versions, threads, shapes and the source of the ops, kernels and probe, under $PREFIXCACHE_HOME/exactness.
+"kernel"): every call the forward makes there (the fused GEMMs, the norms, RoPE with the KV store, attention with
+each window) gives the reference's bits at every row count from 1 to the batch limit, attention rows equal whatever
+their batch, items and block placement, and each op agrees with a float64 reference (models/kernel_check.py). A
+kernel that fails any of this is dropped for the torch path, which is probed, and the status names the op. Results
+are cached per CPU, flags, library versions (our kernels' by the built library's bytes), threads, shapes and the
+source of the ops and probe, under $PREFIXCACHE_HOME/exactness.
 """
 import hashlib
 import inspect
@@ -20,7 +22,7 @@ from typing import Callable
 import torch
 
 from prefixcache import kernels
-from prefixcache.config import MODES
+from prefixcache.config import MODES, cache_home
 from prefixcache.models import attention, exactness, kernel_check, paged
 from prefixcache.models.attention import Queries
 from prefixcache.models.cpu import cpu_info
@@ -33,7 +35,6 @@ from prefixcache.models.exactness import (
     Target,
     choose,
     classify,
-    row_counts,
     row_target,
     rows_plan,
 )
@@ -91,11 +92,10 @@ def _cached(model, mode: str, max_rows: int, max_head_rows: int, find: Callable[
     code = "".join(inspect.getsource(sys.modules[m]) for m in (__name__, exactness.__name__, type(model).__module__,
                                                                 attention.__name__, paged.__name__,
                                                                 kernel_check.__name__, type(model.ops).__module__))
-    code += kernels.source_hash() if model.paged else ""
+    code += kernels.loaded().sha256 if model.paged else ""  # the library's own bytes, not only its sources
     key = json.dumps([code, mode, model.ops.name, asdict(cpu), env, str(dtype), max_rows, max_head_rows,
                       [(o.name, o.shape) for o in ops], [model.config.num_kv_heads, model.config.head_dim, model.tile]])
-    home = os.environ.get("PREFIXCACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "prefixcache"))
-    path = os.path.join(home, "exactness", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+    path = os.path.join(cache_home(), "exactness", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
     try:
         with open(path) as f:
             d = json.load(f)
@@ -129,18 +129,22 @@ def _search(model, mode: str, max_rows: int, max_head_rows: int, cpu: str) -> Ex
 
 
 def _confirm(model, mode: str, max_rows: int, max_head_rows: int, cpu: str) -> Exactness:
-    """Mode "kernel" if every row count of every row-wise op gives the reference's bits, paged attention gives each
-    row the bits it gets alone, and each agrees with float64; else mode "failed", the note saying what broke."""
+    """Mode "kernel" if every call the forward makes on our kernels gives the reference's bits at every row count
+    (the LM head's: up to max_head_rows), paged attention gives each row the bits it gets alone, and each agrees
+    with float64; else mode "failed", the note saying what broke."""
     gen = torch.Generator().manual_seed(0)
-    ops = model.row_ops()
-    classes = [classify(op.name, op.shape, row_target(op, max_rows + 1, model.norm.dtype, gen),
-                        list(range(1, max_head_rows + 1)) if op.head else row_counts(max_rows)) for op in ops]
+    targets = [(op.name, op.shape, row_target(op, max_rows + 1, model.norm.dtype, gen), op.head)
+               for op in model.kernel_row_ops()]
+    targets += [(*t, False) for t in kernel_check.paged_targets(model, max_rows + 1, gen)]
+    classes = [classify(name, shape, g, list(range(1, (max_head_rows if head else max_rows) + 1)))
+               for name, shape, g, head in targets]
     broken = [f"{c.name} differs at {c.differ[:4]} rows" for c in classes if c.differ]
     broken += kernel_check.problems(model, gen)
     if broken:
         return Exactness("failed", 1, [1], [1], cpu, "; ".join(broken), classes)
-    return Exactness("kernel", 1, [1], [], cpu, f"{model.ops.name} kernels: every row count from 1 to {max_rows} "
-                     "agrees, and attention rows equal alone, batched and with moved blocks", classes)
+    return Exactness("kernel", 1, [1], [], cpu, f"{model.ops.name} kernels: every call of the forward agrees at "
+                     f"every row count from 1 to {max_rows}, and attention rows equal alone, batched and with moved "
+                     "blocks", classes)
 
 
 def _attention(model, dtype: torch.dtype) -> Target:

@@ -24,6 +24,8 @@ class ServeConfig:
     metrics_port: int | None = None  # a listener for GET /metrics alone, without a key (server/serve.py)
     slo_ttft_ms: float | None = None  # objectives: /metrics counts the requests that met and missed each
     slo_tpot_ms: float | None = None
+    allow_torch_path: bool = False  # serve where our kernels cannot run (not built, the CPU, the options, a failed
+    # startup check): torch's path decodes 4-5x slower; without it such a replica refuses to start
 
     def objectives(self) -> Objectives:
         """The server's latency objectives; a ValueError names the one that is not a positive number."""

@@ -45,7 +45,13 @@ def load_engine(cfg: ServeConfig) -> Engine:
             raise ValueError(f"{cfg.shared_prefixes}: expected a JSON list of system-prompt strings")
         tok = tokenizer(model_path(config.model))
         config.shared_prefixes = [encode_system(tok, t) for t in texts]
-    return Engine(config)
+    engine = Engine(config)
+    if engine.exactness.mode != "kernel" and not cfg.allow_torch_path:
+        engine.close()
+        raise ValueError(f"our kernels do not run here ({engine.exactness.kernels}), and the torch path decodes 4-5x "
+                         "slower: build them (`make setup`, or `python -m prefixcache.kernels.build` where g++ is), or "
+                         "pass --allow-torch-path to serve on the torch path")
+    return engine
 
 
 class Server:

@@ -4,10 +4,11 @@ from dataclasses import fields
 
 import pytest
 
-from prefixcache.cli import build_parser
+from prefixcache.cli import build_parser, main
 from prefixcache.config import Config
 from prefixcache.options import default, resolve, size
-from prefixcache.server.config import SERVE_OPTIONS
+from prefixcache.server.config import SERVE_OPTIONS, ServeConfig
+from prefixcache.server.state import load_engine
 
 
 def _serve(*argv: str) -> argparse.Namespace:
@@ -48,3 +49,16 @@ def test_bad_options_name_the_problem(tmp_path):
         size("two gigs")
     assert (size("2G"), size("1.5GiB"), size("4096"), size("64k")) == (2**31, 3 * 2**29, 4096, 65536)
     assert default("block_size") == Config().block_size
+
+
+def test_serve_refuses_the_torch_path_unless_allowed(tiny_model, capsys):
+    """A replica where our kernels do not run (here: --kernels off) would decode 4-5x slower: it does not start,
+    and says why, unless --allow-torch-path."""
+    engine, serve = resolve(_serve("--model", tiny_model, "--kernels", "off", "--allow-torch-path"), SERVE_OPTIONS)
+    assert serve == {"allow_torch_path": True}
+    assert load_engine(ServeConfig(Config(**engine), **serve)).exactness.mode != "kernel"
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--model", tiny_model, "--kernels", "off", "--port", "0"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "our kernels do not run here (off: kernels=off)" in err and "--allow-torch-path" in err

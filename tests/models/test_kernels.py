@@ -1,16 +1,28 @@
 """Our CPU kernels (prefixcache/kernels) against float64, bit for bit against themselves whatever the rows, threads,
 ISA build, batch, chunking and block placement, and the engine's fallback to the torch path."""
+import dataclasses
+import functools
+import inspect
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import GREEDY, generate_with_logits
+from torch.utils import cpp_extension
 
 from prefixcache import LLM, kernels
+from prefixcache.kernels import build
 from prefixcache.models import paged
 from prefixcache.models.attention import Queries
 from prefixcache.models.kernel_check import attention64
-from prefixcache.models.llama import _rope
-from prefixcache.models.rowwise import KernelOps
+from prefixcache.models.llama import Llama, _rope
+from prefixcache.models.loader import load
+from prefixcache.models.probe import _confirm, probe
+from prefixcache.models.rowwise import KernelOps, Packed
 
 AVAILABLE = kernels.choose("auto").isa
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"kernels: {kernels.choose('auto').status}")
@@ -185,24 +197,120 @@ def test_warm_chunked_batched_equal_cold_on_both_paths(tiny_model):
         assert outs[1].cached_tokens == 200 and all(torch.equal(a, b) for a, b in zip(singles, together))
 
 
-def test_a_stale_or_missing_build_falls_back_and_says_so(monkeypatch, tmp_path):
-    monkeypatch.setattr(kernels, "BUILD", str(tmp_path))
-    assert kernels._try_load() == "not built (make setup builds it)"
-    (tmp_path / "sources.sha256").write_text("0" * 64)
-    assert kernels._try_load() == "built from other sources (make setup rebuilds it)"
+def test_a_build_is_found_by_sources_torch_and_compiler_or_any_compiler_without_one(monkeypatch, tmp_path):
+    """No compiler and no build: the torch path, saying why. With no compiler (an image that ships the library), a
+    build by any compiler serves; with one, only its own build."""
+    monkeypatch.setenv("PREFIXCACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels, "compiler", lambda: "")
+    assert kernels._load().problem.startswith("not built: no C++ compiler ($CXX or c++) to build them")
+    built = tmp_path / "kernels" / os.path.basename(kernels.folder()) / "0123"
+    built.mkdir(parents=True)
+    (built / f"{kernels.LIBRARY}.so").touch()
+    assert kernels.find("") == str(built / f"{kernels.LIBRARY}.so") and kernels.find("g++ (other) 1.0") == ""
+    monkeypatch.setattr(torch, "__version__", "2.0.0")  # another torch: another folder
+    assert kernels.find("") == ""
+
+
+def test_builds_at_once_take_turns_and_the_library_appears_whole(monkeypatch, tmp_path):
+    """Four processes' first uses at once (threads here: each opens the lock file itself, so flock excludes them as
+    it would processes): one compiles, in a folder of its own renamed into place; the others wait and find it."""
+    monkeypatch.setenv("PREFIXCACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(build, "compiler", lambda: "g++ (test) 1.0")
+    compiled = []
+
+    def load(name, sources, build_directory, **kwargs):
+        assert not kernels.find("g++ (test) 1.0")  # nothing at the final path while the build runs
+        compiled.append(build_directory)
+        time.sleep(0.3)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"library")
+    monkeypatch.setattr(cpp_extension, "load", load)
+    with ThreadPoolExecutor(4) as pool:
+        paths = set(pool.map(lambda _: build.build(), range(4)))
+    assert len(compiled) == 1 and paths == {kernels.find("g++ (test) 1.0")}
+    left = sorted(p.name for p in Path(kernels.folder()).iterdir())
+    assert left == [".lock", os.path.basename(kernels.build_folder("g++ (test) 1.0"))]
+    assert (Path(paths.pop()).parent / "compiler").read_text() == "g++ (test) 1.0\n"
 
 
 def test_a_kernel_that_fails_the_startup_check_falls_back_to_torch(tiny_model, monkeypatch, caplog, tmp_path):
     """A kernel giving other bits for one row count: the probe drops the kernels, and the torch path is probed."""
     monkeypatch.setenv("PREFIXCACHE_HOME", str(tmp_path))  # not the cached confirmation of the real kernels
-    real = KernelOps.linear
+    real = KernelOps.norm_linear
 
-    def linear(self, x, weight, bias=None):
-        y = real(self, x, weight, bias)
-        return y + 1e-3 if x.shape[0] == 5 else y
-    monkeypatch.setattr(KernelOps, "linear", linear)
+    def norm_linear(self, x, *args):
+        y = real(self, x, *args)
+        return y + 1e-3 if x.shape[0] == 300 else y  # a row count past those probed densely before
+    monkeypatch.setattr(KernelOps, "norm_linear", norm_linear)
     llm = LLM(model=tiny_model, enable_prefix_cache=False)
     plan = llm.exactness
-    assert plan.mode == "pad" and plan.kernels.startswith("off: failed the startup check (qkv differs at [5] rows")
+    assert plan.mode == "pad"
+    assert plan.kernels.startswith("off: failed the startup check (rms_norm+qkv differs at [300] rows")
     assert not llm.engine.runner.model.paged and "running the torch path" in caplog.text
     assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
+
+
+def _recording(monkeypatch) -> dict[tuple, set[int]]:
+    """Every call of KernelOps' methods and of paged's kernel ops from now on: (op, its arguments but the rows'
+    own tensor, each as what it is: a weight by its shape, a tensor, None, a window) -> its calls' row counts."""
+    calls: dict[tuple, set[int]] = {}
+
+    def what(v):
+        return ("weight", tuple(v.shape)) if isinstance(v, Packed) else "tensor" if isinstance(v, torch.Tensor) else v
+
+    def record(name, fn, variant):
+        @functools.wraps(fn)  # the probe's float64 check finds the reference by the op's name
+        def recorded(*args, **kwargs):
+            key, rows = variant(*args, **kwargs)
+            calls.setdefault((name, key), set()).add(rows)
+            return fn(*args, **kwargs)
+        return recorded
+
+    def method_variant(fn):
+        def variant(*args, **kwargs):
+            bound = inspect.signature(fn).bind(*args, **kwargs)
+            bound.apply_defaults()
+            _, x, *rest = bound.arguments.items()
+            return tuple((k, what(v)) for k, v in rest), x[1].shape[0]
+        return variant
+    for name, fn in vars(KernelOps).items():
+        if callable(fn) and not name.startswith("_"):
+            monkeypatch.setattr(KernelOps, name, record(name, fn, method_variant(fn)))
+    monkeypatch.setattr(paged, "rope_store", record("rope_store", paged.rope_store, lambda qkv, *a: ((), len(qkv))))
+    monkeypatch.setattr(paged, "attend",
+                        record("attend", paged.attend, lambda q, k, v, p, *a: ((("window", p.window),), len(q))))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["tiny_model", "tiny_gemma"])
+def test_the_probe_checks_every_call_the_forward_makes_at_every_row_count(family, request, monkeypatch):
+    """Whatever the forward calls on our kernels (found by running it, not listed here: a fused GEMM with its norm,
+    activation or residual, a norm, RoPE with the KV store, attention with and without a window), the startup probe
+    calls too, with the same kinds of arguments, at every row count from 1 to the batch limit (the LM head's: to
+    max_head_rows)."""
+    llm = LLM(model=request.getfixturevalue(family), enable_prefix_cache=False, max_batch_tokens=80, max_num_seqs=4)
+    model = llm.engine.runner.model
+    assert model.paged
+    forward = _recording(monkeypatch)
+    llm.generate([list(range(5, 200)), [7] * 30, [9, 8, 7]], GREEDY)
+    monkeypatch.undo()
+    if family == "tiny_gemma":
+        assert {("attend", (("window", w),)) for w in (0, 128)} <= set(forward)  # global and local layers
+    probed = _recording(monkeypatch)
+    plan = _confirm(model, "kernel", 80, 4, "")
+    assert plan.mode == "kernel", plan.note
+    head = ("weight", tuple(model.lm_head.shape))
+    for call in forward:
+        rows = 4 if head in dict(call[1]).values() else 80
+        assert call in probed and set(range(1, rows + 1)) <= probed[call], call
+
+
+def test_a_probe_cached_for_one_library_is_not_reused_for_another(tiny_model, monkeypatch, tmp_path):
+    """The probe's cache is keyed by the built library's bytes: a library rebuilt from the same sources (another
+    compiler, other flags) is confirmed again."""
+    monkeypatch.setenv("PREFIXCACHE_HOME", str(tmp_path))
+    model = Llama(load(tiny_model), 512, BUILDS[0])
+    first, again = probe(model, "auto", 64, 4), probe(model, "auto", 64, 4)
+    assert first.mode == "kernel" and not first.cached and again.cached
+    real = kernels.loaded()
+    monkeypatch.setattr(kernels, "loaded", lambda: dataclasses.replace(real, sha256="0" * 64))
+    assert not probe(model, "auto", 64, 4).cached
