@@ -32,7 +32,7 @@ def plan(groups: list[Queries], num_tokens: int, block_size: int, window: int = 
     pos = torch.zeros(num_tokens, dtype=torch.int64)
     row_seq = torch.zeros(num_tokens, dtype=torch.int32)
     width = max(len(g.block_table) for g in groups)
-    tables = torch.zeros(len(groups), width, dtype=torch.int32)
+    tables = torch.full((len(groups), width), -1, dtype=torch.int32)  # past a table: refused if read
     decode: dict[int, list[int]] = {}  # first block -> decode tokens
     order, items = [], [0]
     for s, g in enumerate(groups):

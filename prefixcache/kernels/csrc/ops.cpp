@@ -52,14 +52,31 @@ const Isa& pick(int64_t isa) {
   return chosen;
 }
 
-void check_f32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), name, " must be a contiguous float32 tensor");
+// a tensor the kernels read through its raw pointer: in this process's memory, of the type and layout they assume
+void check_tensor(const at::Tensor& t, at::ScalarType type, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == type, name, " must be ", type, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_f32(const at::Tensor& t, const char* name) { check_tensor(t, at::kFloat, name); }
+
+// one index per token, as a 1-D tensor
+void check_per_token(const at::Tensor& t, at::ScalarType type, const char* name, int64_t tokens) {
+  check_tensor(t, type, name);
+  TORCH_CHECK(t.dim() == 1 && t.numel() == tokens, "attend: ", name, " must hold one entry per token of q (", tokens,
+              "), got ", t.sizes());
+}
+
+void check_head_size(int64_t d, const char* op) {
+  TORCH_CHECK(d > 0 && d % 16 == 0, op, ": head size must be a positive multiple of 16, got ", d);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa) {
   check_f32(x, "x");
   check_f32(w, "weight");
-  TORCH_CHECK(x.dim() == 2 && w.numel() == x.size(1), "rms_norm: shapes do not match");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.numel() == x.size(1), "rms_norm: x [rows, k] and weight [k] "
+              "expected, got ", x.sizes(), " and ", w.sizes());
   const Isa& k = pick(isa);
   at::Tensor y = at::empty_like(x);
   const int64_t cols = x.size(1);
@@ -72,7 +89,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_
 // gate_up [m, 2 i] -> act(gate) * up [m, i]
 at::Tensor gated(const at::Tensor& gate_up, decltype(&avx2::silu_mul) act) {
   check_f32(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul, gelu_mul: [rows, 2 * inter] expected");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul, gelu_mul: [rows, 2 * inter] expected, got ",
+              gate_up.sizes());
   const int64_t inter = gate_up.size(1) / 2;
   at::Tensor y = at::empty({gate_up.size(0), inter}, gate_up.options());
   at::parallel_for(0, gate_up.size(0), 16, [&](int64_t r0, int64_t r1) {
@@ -119,8 +137,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kin
                 "but the last's");
     const at::Tensor& w = parts[i];
     const Kind& f = KINDS[kind];
-    if (kind == 0) check_f32(w, "an F32 part");
-    else TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "linear: a ", f.name, " part must be uint8");
+    check_tensor(w, kind == 0 ? at::kFloat : at::kByte, (std::string("linear: a ") + f.name + " part").c_str());
     TORCH_CHECK(w.dim() == 3 && w.size(0) == (r + 15) / 16 && kk % f.k == 0 && w.size(1) == kk / f.k &&
                     w.size(2) * w.element_size() == f.bytes,
                 "linear: a ", f.name, " part must be [ceil(rows / 16), k / ", f.k, ", ", f.bytes, " bytes] for k = ", kk,
@@ -170,16 +187,24 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   check_f32(sin, "sin");
   check_f32(k_pool, "k_pool");
   check_f32(v_pool, "v_pool");
-  const int64_t rows = qkv.size(0), d = k_pool.size(2);
-  TORCH_CHECK(qkv.dim() == 2 && k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() && k_pool.size(1) == kv_heads &&
-                  qkv.size(1) == (heads + 2 * kv_heads) * d && d % 16 == 0 && k_pool.size(0) % 16 == 0 &&
-                  cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == d,
-              "rope_store: shapes do not match");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() <= rows,
-              "rope_store: slots must be int64, one per stored row");
+  check_tensor(slots, at::kLong, "slots");
+  TORCH_CHECK(k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() && k_pool.size(0) % 16 == 0 &&
+                  heads > 0 && kv_heads > 0 && k_pool.size(1) == kv_heads,
+              "rope_store: k_pool, v_pool must be [slots (a multiple of 16), kv_heads, d], got ", k_pool.sizes(), ", ",
+              v_pool.sizes(), " for ", heads, " heads, ", kv_heads, " kv heads");
+  const int64_t d = k_pool.size(2);
+  check_head_size(d, "rope_store");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * d, "rope_store: qkv must be [rows, ",
+              (heads + 2 * kv_heads) * d, "], got ", qkv.sizes());
+  const int64_t rows = qkv.size(0);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == d && cos.sizes() == sin.sizes(),
+              "rope_store: cos, sin must be [rows, d] = [", rows, ", ", d, "], got ", cos.sizes(), ", ", sin.sizes());
+  TORCH_CHECK(slots.dim() == 1 && slots.numel() <= rows, "rope_store: slots must be 1-D, one per stored row, got ",
+              slots.sizes(), " for ", rows, " rows");
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < slots.numel(); i++)
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < k_pool.size(0), "rope_store: slot out of the pool");
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < k_pool.size(0), "rope_store: slot ", sp[i], " of row ", i,
+                " is outside the pool's ", k_pool.size(0), " slots");
   const Isa& kern = pick(isa);
   at::Tensor q = at::empty({rows, heads, d}, qkv.options());
   RopeArgs a{qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(),
@@ -191,6 +216,40 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
+// Every index attend follows, checked once before any thread runs: order lists each token once, items cut order
+// into runs of at most ITEM_TOKENS, a token's row_seq names a table and its pos lies inside that table, and each
+// table entry a token reads (those up to its pos) is a block of the pool. Entries past every token's pos are not
+// read, and not checked: models/paged.py pads tables with -1, so a pos past its sequence's blocks is refused.
+void check_plan(const AttnArgs& a, int64_t tokens, int64_t seqs, int64_t num_items, int64_t pool_blocks) {
+  std::vector<char> seen(tokens);
+  for (int64_t i = 0; i < tokens; i++) {
+    const int32_t t = a.order[i];
+    TORCH_CHECK(t >= 0 && t < tokens, "attend: order entry ", t, " is outside the ", tokens, " tokens");
+    TORCH_CHECK(!seen[t], "attend: token ", t, " appears twice in order");
+    seen[t] = 1;
+  }
+  TORCH_CHECK(a.items[0] == 0 && a.items[num_items] == tokens,
+              "attend: items must run from 0 to the ", tokens, " tokens of order");
+  for (int64_t i = 0; i < num_items; i++)
+    TORCH_CHECK(a.items[i + 1] >= a.items[i] && a.items[i + 1] - a.items[i] <= ITEM_TOKENS, "attend: items must not ",
+                "decrease, and an item holds at most ", ITEM_TOKENS, " tokens; item ", i, " holds ",
+                a.items[i + 1] - a.items[i]);
+  std::vector<int64_t> reach(seqs);  // each table's entries that tokens read
+  for (int64_t t = 0; t < tokens; t++) {
+    const int64_t p = a.pos[t], s = a.row_seq[t];
+    TORCH_CHECK(s >= 0 && s < seqs, "attend: token ", t, "'s row_seq ", s, " is outside the ", seqs, " tables");
+    TORCH_CHECK(p >= 0 && p / a.block_size < a.max_blocks, "attend: token ", t, "'s pos ", p,
+                " is outside its table's ", a.max_blocks * a.block_size, " keys");
+    reach[s] = std::max(reach[s], p / a.block_size + 1);
+  }
+  for (int64_t s = 0; s < seqs; s++)
+    for (int64_t j = 0; j < reach[s]; j++) {
+      const int32_t block = a.tables[s * a.max_blocks + j];
+      TORCH_CHECK(block >= 0 && block < pool_blocks, "attend: table ", s, " entry ", j, " is block ", block,
+                  ", outside the pool's ", pool_blocks, " blocks");
+    }
+}
+
 // Paged causal attention for every token of the step in one call: q [tokens, heads, d] over a layer's pool
 // k, v [slots, kv heads, d]; token t attends keys 0..pos[t] of sequence row_seq[t], found through tables.
 // Items (offsets into order) group tokens that read the same blocks; they change loads, never a token's bits.
@@ -200,25 +259,31 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   check_f32(q, "q");
   check_f32(k, "k");
   check_f32(v, "v");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2) &&
-                  q.size(1) % k.size(1) == 0 && q.size(2) % 16 == 0, "attend: shapes do not match");
-  TORCH_CHECK(pos.scalar_type() == at::kLong && tables.scalar_type() == at::kInt && row_seq.scalar_type() == at::kInt &&
-                  order.scalar_type() == at::kInt && items.scalar_type() == at::kInt, "attend: index dtypes");
-  TORCH_CHECK(pos.is_contiguous() && tables.is_contiguous() && row_seq.is_contiguous() && order.is_contiguous() &&
-                  items.is_contiguous() && tables.dim() == 2, "attend: index layout");
-  TORCH_CHECK(block_size % 16 == 0, "attend: block_size must be a multiple of 16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2) && k.size(1) > 0 &&
+                  q.size(1) % k.size(1) == 0,
+              "attend: q [tokens, heads, d] and k, v [slots, kv heads (dividing heads), d] expected, got ", q.sizes(),
+              ", ", k.sizes(), ", ", v.sizes());
+  check_head_size(q.size(2), "attend");
+  TORCH_CHECK(block_size > 0 && block_size % 16 == 0, "attend: block_size must be a positive multiple of 16, got ",
+              block_size);
   TORCH_CHECK(window >= 0, "attend: window must be 0 (none) or positive");
+  const int64_t tokens = q.size(0);
+  check_per_token(pos, at::kLong, "pos", tokens);
+  check_per_token(row_seq, at::kInt, "row_seq", tokens);
+  check_per_token(order, at::kInt, "order", tokens);
+  check_tensor(tables, at::kInt, "tables");
+  check_tensor(items, at::kInt, "items");
+  TORCH_CHECK(tables.dim() == 2, "attend: tables must be [sequences, max blocks], got ", tables.sizes());
+  TORCH_CHECK(items.dim() == 1 && items.numel() >= 1, "attend: items must be [items + 1], got ", items.sizes());
   const Isa& kern = pick(isa);
-  at::Tensor out = at::empty_like(q);  // every row of every token is written: the plan puts each token in one item
+  at::Tensor out = at::empty_like(q);  // every row of every token is written: order holds each token once
   AttnArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
              pos.data_ptr<int64_t>(), tables.data_ptr<int32_t>(), row_seq.data_ptr<int32_t>(),
              order.data_ptr<int32_t>(), items.data_ptr<int32_t>(), q.size(1), k.size(1), q.size(2),
              tables.size(1), block_size, (float)scale, window};
   const int64_t num_items = items.numel() - 1, units = num_items * a.kv_heads;
+  check_plan(a, tokens, tables.size(0), num_items, k.size(0) / block_size);
   const int32_t* it = items.data_ptr<int32_t>();
-  for (int64_t i = 0; i < num_items; i++)
-    TORCH_CHECK(it[i + 1] - it[i] <= ITEM_TOKENS && it[i + 1] >= it[i], "attend: an item holds at most ",
-                ITEM_TOKENS, " tokens");
   if (units >= 2 * at::get_num_threads()) {
     at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
       std::vector<float> scratch(attn_scratch(a));
