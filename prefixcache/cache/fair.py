@@ -8,9 +8,14 @@ turns while idle and waits behind no one's backlog: after tenant a queues 100 it
 second. A tenant's weight is its cache share (shares.py `guarantees`; tenants without one split what the shares
 leave, equally), so while two tenants have work, the one with twice the share gets twice the turns. One tenant may
 have `bound` items waiting; past it, put() refuses and its caller says what that means.
+
+A tenant may also be held (hold()): its items wait until then while others' are served. FairThread holds a tenant
+after each of its jobs in proportion to the job's time when given a `duty` below 1, so no tenant keeps the thread,
+and the core it runs on, busier than that: the preparing thread's tokenizing runs beside the engine's threads.
 """
 import atexit
 import threading
+import time
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable
@@ -31,6 +36,7 @@ class FairQueue(Generic[T]):
         self.start: dict[str, float] = {}  # a tenant's virtual time: when its next item starts
         self.now = 0.0  # the start of the item served last
         self.shares: dict[str, float] = {}
+        self.held: dict[str, float] = {}  # a tenant's items start no earlier than this (time.monotonic())
         self.closed = False
         self.cond = threading.Condition()
 
@@ -47,12 +53,14 @@ class FairQueue(Generic[T]):
             return True
 
     def get(self) -> T | None:
-        """The next item, waiting for one; None once closed and empty."""
+        """The next item of a tenant not held, waiting for one; None once closed and empty (once closed, holds end)."""
         with self.cond:
-            self.cond.wait_for(lambda: self.queues or self.closed)
-            if not self.queues:
+            while not (ready := self._ready()) and not (self.closed and not self.queues):
+                until = [self.held[t] for t in self.queues if t in self.held]
+                self.cond.wait(min(until) - time.monotonic() if until else None)
+            if not ready:
                 return None
-            tenant = min(self.queues, key=self.start.__getitem__)
+            tenant = min(ready, key=self.start.__getitem__)
             weight = guarantees(Counter(self.queues), self.shares, 1)[tenant]
             self.now = self.start[tenant]
             self.start[tenant] += 1 / max(weight, MIN_WEIGHT)
@@ -69,6 +77,19 @@ class FairQueue(Generic[T]):
         with self.cond:
             self.shares = dict(shares)
 
+    def hold(self, tenant: str, seconds: float) -> None:
+        """The tenant's items wait `seconds` from now while others' are served."""
+        with self.cond:
+            now = time.monotonic()
+            self.held = {t: until for t, until in self.held.items() if until > now}
+            self.held[tenant] = now + seconds
+            self.cond.notify()
+
+    def _ready(self) -> list[str]:
+        """The tenants with items waiting that are not held."""
+        now = time.monotonic()
+        return [t for t in self.queues if self.closed or self.held.get(t, 0.0) <= now]
+
     def close(self) -> None:
         """get() gives what is queued, then None."""
         with self.cond:
@@ -79,8 +100,10 @@ class FairQueue(Generic[T]):
 class FairThread:
     """One thread running the jobs tenants submit, in a FairQueue's order; a job's result comes back as a Future."""
 
-    def __init__(self, name: str, bound: int, initializer: Callable[[], None] | None = None):
-        self.jobs: FairQueue[tuple[Future, Callable[[], object]]] = FairQueue(bound)
+    def __init__(self, name: str, bound: int, initializer: Callable[[], None] | None = None, duty: float = 1.0):
+        assert 0 < duty <= 1
+        self.duty = duty  # the most of the thread's time one tenant's jobs take while others' wait or not
+        self.jobs: FairQueue[tuple[str, Future, Callable[[], object]]] = FairQueue(bound)
         self.thread = threading.Thread(target=self._run, args=(initializer,), name=name, daemon=True)
         self.thread.start()
         # at exit, let the job under way finish: a daemon thread stopped inside native code (xgrammar's tokenizer
@@ -91,7 +114,7 @@ class FairThread:
     def submit(self, tenant: str, fn: Callable[..., T], *args, **kwargs) -> Future | None:
         """fn(*args, **kwargs) on the thread, as a Future; None if the tenant has `bound` jobs waiting."""
         future: Future = Future()
-        return future if self.jobs.put(tenant, (future, lambda: fn(*args, **kwargs))) else None
+        return future if self.jobs.put(tenant, (tenant, future, lambda: fn(*args, **kwargs))) else None
 
     def set_shares(self, shares: dict[str, float]) -> None:
         self.jobs.set_shares(shares)
@@ -105,9 +128,12 @@ class FairThread:
         if initializer:
             initializer()
         while (job := self.jobs.get()) is not None:
-            future, work = job
+            tenant, future, work = job
             if future.set_running_or_notify_cancel():
+                start = time.monotonic()
                 try:
                     future.set_result(work())
                 except Exception as e:  # the job's caller gets it from the future
                     future.set_exception(e)
+                if self.duty < 1:
+                    self.jobs.hold(tenant, (time.monotonic() - start) * (1 / self.duty - 1))

@@ -3,7 +3,9 @@
 On the torch path it runs the model's own row-wise ops (every GEMM shape on the real weights, RMSNorm, SwiGLU) and
 its attention on random rows and compares each row with a reference call. On our kernels it confirms them (mode
 "kernel"): every call the forward makes there (the fused GEMMs, the norms, RoPE with the KV store, attention with
-each window) gives the reference's bits at every row count from 1 to the batch limit, attention rows equal whatever
+each window) gives the reference's bits at every row count the kernels tell apart (exactness.row_counts: each up to
+PAD_LIMIT, so every tile's remainder and both sides of each register limit, then a spread to the batch limit; the
+LM head's each up to the sequences a step holds), attention rows equal whatever
 their batch, items and block placement, and each op agrees with a float64 reference (models/kernel_check.py). A
 kernel that fails any of this is dropped for the torch path, which is probed, and the status names the op. Results
 are cached per CPU, flags, library versions (our kernels' by the built library's bytes), threads, shapes and the
@@ -35,6 +37,7 @@ from prefixcache.models.exactness import (
     Target,
     choose,
     classify,
+    row_counts,
     row_target,
     rows_plan,
 )
@@ -129,22 +132,22 @@ def _search(model, mode: str, max_rows: int, max_head_rows: int, cpu: str) -> Ex
 
 
 def _confirm(model, mode: str, max_rows: int, max_head_rows: int, cpu: str) -> Exactness:
-    """Mode "kernel" if every call the forward makes on our kernels gives the reference's bits at every row count
-    (the LM head's: up to max_head_rows), paged attention gives each row the bits it gets alone, and each agrees
+    """Mode "kernel" if every call the forward makes on our kernels gives the reference's bits at row_counts(max_rows)
+    (the LM head's: each up to max_head_rows), paged attention gives each row the bits it gets alone, and each agrees
     with float64; else mode "failed", the note saying what broke."""
     gen = torch.Generator().manual_seed(0)
     targets = [(op.name, op.shape, row_target(op, max_rows + 1, model.norm.dtype, gen), op.head)
                for op in model.kernel_row_ops()]
     targets += [(*t, False) for t in kernel_check.paged_targets(model, max_rows + 1, gen)]
-    classes = [classify(name, shape, g, list(range(1, (max_head_rows if head else max_rows) + 1)))
+    classes = [classify(name, shape, g, list(range(1, max_head_rows + 1)) if head else row_counts(max_rows))
                for name, shape, g, head in targets]
     broken = [f"{c.name} differs at {c.differ[:4]} rows" for c in classes if c.differ]
     broken += kernel_check.problems(model, gen)
     if broken:
         return Exactness("failed", 1, [1], [1], cpu, "; ".join(broken), classes)
     return Exactness("kernel", 1, [1], [], cpu, f"{model.ops.name} kernels: every call of the forward agrees at "
-                     f"every row count from 1 to {max_rows}, and attention rows equal alone, batched and with moved "
-                     "blocks", classes)
+                     f"every row count to {PAD_LIMIT} and a spread to {max_rows}, and attention rows equal alone, "
+                     "batched and with moved blocks", classes)
 
 
 def _attention(model, dtype: torch.dtype) -> Target:

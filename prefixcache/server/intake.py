@@ -1,5 +1,7 @@
-"""How fast request bodies are read: at most `rate` bytes a second over all tenants (a bucket of `burst` bytes),
-and while chunks wait for that, they are read in turns by tenant weight (cache/fair.py FairQueue).
+"""How fast request bodies are read: at most `rate` bytes a second over all tenants. Each tenant reading a body has
+a bucket of `burst` bytes that refills at its part of the rate: the rate split by weight (the cache shares, equal
+without them) among the tenants reading bodies now, so a lone tenant gets all of it, and a tenant's flood empties
+its own bucket, never another's.
 
 Why: the event loop parses and validates every body while holding the GIL, about 12 ms a MiB here, and each kernel
 call of the engine thread lets go of the GIL and must wait to get it back. A tenant sending large bodies as fast as
@@ -10,8 +12,16 @@ tokens, far more than the engine can prefill, so no workload the engine can serv
 import asyncio
 import time
 from collections import Counter
+from dataclasses import dataclass
 
-from prefixcache.cache.fair import FairQueue
+from prefixcache.cache.fair import MIN_WEIGHT
+from prefixcache.cache.shares import guarantees
+
+
+@dataclass
+class Bucket:
+    level: float  # bytes that may be read now; below 0 after a chunk larger than what was left
+    stamp: float  # time.monotonic() of the last refill
 
 
 class Intake:
@@ -20,15 +30,15 @@ class Intake:
         self.rate, self.burst = rate, burst  # rate 0: bodies are read as fast as they come
         self.bound = bound  # bodies one tenant may have being read at once
         self.reading: Counter[str] = Counter()
-        self.level, self.stamp = float(burst), time.monotonic()
-        self.waiting: FairQueue[tuple[asyncio.Future, int]] = FairQueue(bound)  # a body waits a chunk at a time
-        self.pump: asyncio.Task | None = None
+        self.buckets: dict[str, Bucket] = {}  # the tenants reading bodies, and those whose bucket is not yet full
+        self.shares: dict[str, float] = {}
 
     def begin(self, tenant: str) -> bool:
         """A body of the tenant's is to be read; False, and nothing begun, if it has `bound` being read."""
         if self.reading[tenant] >= self.bound:
             return False
         self.reading[tenant] += 1
+        self.buckets.setdefault(tenant, Bucket(float(self.burst), time.monotonic()))
         return True
 
     def end(self, tenant: str) -> None:
@@ -36,40 +46,28 @@ class Intake:
         self.reading[tenant] -= 1
         if not self.reading[tenant]:
             del self.reading[tenant]
+        # a bucket refilled to full is a new one: forget it
+        self.buckets = {t: b for t, b in self.buckets.items() if t in self.reading or self._refill(t) < self.burst}
 
     def set_shares(self, shares: dict[str, float]) -> None:
-        self.waiting.set_shares(shares)
+        self.shares = dict(shares)
 
     async def take(self, tenant: str, size: int) -> None:
-        """Return once `size` bytes of a body of the tenant's (begun) may be read."""
+        """Return once `size` bytes of a body of the tenant's (begun) may be read, and take them from its bucket."""
         if not self.rate:
             return
-        self._refill()
-        if not self.waiting.queues and self.level > 0:
-            self.level -= size
-            return
-        turn = asyncio.get_running_loop().create_future()
-        assert self.waiting.put(tenant, (turn, size)), "a body begun waits for one chunk at a time"
-        if self.pump is None or self.pump.done():
-            self.pump = asyncio.create_task(self._serve())
-        await turn
+        while (level := self._refill(tenant)) <= 0:
+            await asyncio.sleep(-level / self._rate(tenant) + 1e-3)
+        self.buckets[tenant].level -= size
 
-    async def _serve(self) -> None:
-        """Hand out turns as the bucket refills, the fair queue's next first; a chunk whose request has gone is
-        skipped unpaid."""
-        while self.waiting.queues:
-            turn, size = self.waiting.get()  # there is one: get() does not block
-            if turn.done():
-                continue
-            self._refill()
-            if self.level <= 0:
-                await asyncio.sleep(-self.level / self.rate + 1e-3)
-                self._refill()
-            if not turn.done():
-                self.level -= size
-                turn.set_result(None)
+    def _rate(self, tenant: str) -> float:
+        """The tenant's part of the rate among the tenants reading bodies now."""
+        weights = {t: max(w, MIN_WEIGHT) for t, w in guarantees(self.reading | Counter({tenant: 1}), self.shares,
+                                                                  1).items()}
+        return self.rate * weights[tenant] / sum(weights.values())
 
-    def _refill(self) -> None:
-        now = time.monotonic()
-        self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
-        self.stamp = now
+    def _refill(self, tenant: str) -> float:
+        """The tenant's bucket's level, refilled at its part of the rate since the last refill."""
+        b, now = self.buckets[tenant], time.monotonic()
+        b.level, b.stamp = min(self.burst, b.level + (now - b.stamp) * self._rate(tenant)), now
+        return b.level

@@ -30,6 +30,8 @@ from prefixcache.server.worker import EngineWorker
 log = logging.getLogger("prefixcache.request")
 
 MODEL_ALIAS = "default"
+# a quarter of a core still tokenizes some 50,000 prompt tokens a second, more than the engine prefills on any core
+PREPARE_DUTY = 0.25
 T = TypeVar("T")
 
 
@@ -70,9 +72,10 @@ class Server:
         self.limits = RateLimits()
         self.shares: dict[str, float] = {}  # tenant -> cache_share: its weight at the admission gate and in the engine
         # rendering and tokenizing, off the event loop (the tokenizer lets go of the GIL), taken by tenant weight; one
-        # tenant may have as many requests waiting there as the server holds in flight, then 429
+        # tenant may have as many requests waiting there as the server holds in flight, then 429. A tenant's jobs take
+        # at most PREPARE_DUTY of the thread's time: its core is one the engine's threads run on
         self.capacity = cfg.engine.max_num_seqs + cfg.max_queue  # requests in flight (server/gate.py)
-        self.preparer = FairThread("prepare", self.capacity)
+        self.preparer = FairThread("prepare", self.capacity, duty=PREPARE_DUTY)
         self.intake = Intake(cfg.intake_bytes_per_s, cfg.max_body_bytes, self.capacity)
         self.draining = False  # after SIGTERM: running requests finish, new ones get 503 (server/serve.py)
 

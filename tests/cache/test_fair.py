@@ -1,6 +1,7 @@
 """FairQueue: tenants are served by weight, not by arrival; FIFO within a tenant; a tenant's backlog is bounded.
 FairThread runs the jobs in that order on a real thread."""
 import threading
+import time
 
 from prefixcache.cache.fair import FairQueue, FairThread
 
@@ -100,3 +101,31 @@ def test_a_failing_job_fails_its_future_alone():
     good = worker.submit("a", int, "7")
     assert good.result(timeout=10) == 7 and isinstance(bad.exception(), ValueError)
     worker.shutdown()
+
+
+def test_a_held_tenant_waits_while_others_are_served():
+    q = FairQueue(bound=10)
+    for i in range(3):
+        q.put("a", ("a", i))
+    assert q.get() == ("a", 0)
+    t0 = time.monotonic()
+    q.hold("a", 0.3)
+    q.put("b", ("b", 0))
+    assert q.get() == ("b", 0)  # a's next starts earlier, but a is held
+    assert q.get() == ("a", 1) and time.monotonic() - t0 >= 0.3
+
+
+def test_a_thread_with_a_duty_holds_each_tenant_in_proportion_to_its_jobs():
+    thread = FairThread("duty", bound=10, duty=0.25)
+    try:
+        done: list[str] = []
+        t0 = time.monotonic()
+        jobs = [thread.submit("a", lambda: (time.sleep(0.05), done.append("a"))) for _ in range(3)]
+        time.sleep(0.01)
+        b = thread.submit("b", lambda: done.append("b"))
+        for job in [*jobs, b]:
+            job.result(timeout=10)
+        # each of a's jobs holds a three times its 0.05 s; b's goes between them
+        assert time.monotonic() - t0 >= 3 * 0.05 + 2 * 3 * 0.05 and done.index("b") == 1, done
+    finally:
+        thread.shutdown()
