@@ -8,12 +8,14 @@ METRICS_PORT = "prefixcache.metrics_port"  # in a request's scope: it came in on
 CHARGED = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/tokenize", "/detokenize",
            "/v1/completions/render", "/v1/chat/completions/render"}  # the routes that take a Depends(principal)
 METERED = CHARGED | {"/v1/cache/keys"}  # the routes whose bodies are read at the intake's rate, by tenant
+GATED = {"/v1/chat/completions", "/v1/completions", "/v1/messages"}  # the routes that submit to the engine
 
 
 class Admission:
     """Authenticates a request to a METERED route and takes one request from its tenant's rate limit (CHARGED routes)
     from the headers alone, before the body is read: a bad credential is a 401 whatever the body, and a tenant over
-    its limit costs the server its headers, not the parsing of its body. The body is then read at the intake's rate
+    its limit, or over its part of the capacity (GATED routes), costs the server its headers, not the parsing of its
+    body. The body is then read at the intake's rate
     (server/intake.py), in the tenant's turn. The caller goes on in the request's state (state.principal)."""
 
     def __init__(self, app, server):
@@ -27,6 +29,8 @@ class Admission:
             caller = self.server.auth(Request(scope))
             if scope["path"] in CHARGED:
                 self.server.charge(caller)
+            if scope["path"] in GATED:
+                self.server.check_capacity(caller.tenant, "anthropic" if scope["path"] == "/v1/messages" else "openai")
             if not intake.begin(caller.tenant):
                 raise ApiError(429, f"tenant {caller.tenant!r} has {intake.bound} request bodies being read; retry "
                                     "later", code="rate_limit_exceeded", retry_after=1)

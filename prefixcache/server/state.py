@@ -101,6 +101,12 @@ class Server:
         log.info(json.dumps({"api": api, "path": path, "status": e.status, "error": e.message}))
         return e.anthropic() if api == "anthropic" else e.openai()
 
+    def check_capacity(self, tenant: str, api: str) -> None:
+        """The admission gate (server/gate.py): a 429 (529 on Anthropic's API) if the tenant's request may not enter.
+        Asked from the headers too (middleware.Admission), so a tenant over its part costs no parsing or tokenizing."""
+        if not admits(self.worker.held, tenant, self.shares, self.capacity):
+            raise ApiError(529 if api == "anthropic" else 429, "server is over capacity; retry later", retry_after=1)
+
     def check_context(self, prompt: list[int], param: str = "messages") -> None:
         if len(prompt) >= self.engine.max_model_len:
             raise ApiError(400, f"prompt has {len(prompt)} tokens; the context window is {self.engine.max_model_len}",
@@ -144,8 +150,7 @@ class Server:
             raise ApiError(503, "server is shutting down; retry on another replica", retry_after=1)
         self.check_context(prompt)
         self.charge(principal, len(prompt))
-        if not admits(self.worker.held, principal.tenant, self.shares, self.capacity):
-            raise ApiError(529 if api == "anthropic" else 429, "server is over capacity; retry later", retry_after=1)
+        self.check_capacity(principal.tenant, api)
         handle = self.worker.submit(prompt, params, principal.scope(salt), list(breakpoints))
         gen = None
         try:

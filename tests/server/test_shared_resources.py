@@ -102,6 +102,8 @@ def test_a_tenant_holding_every_slot_gets_the_429_and_a_newcomer_enters(srv):
         until(lambda: worker.in_flight == 4)
         assert post(srv, "/v1/chat/completions", CHAT, A).status_code == 429
         assert post(srv, "/v1/messages", MESSAGES, A).status_code == 529
+        # from its headers alone: a tenant over its part costs no parsing or tokenizing
+        assert headers_only(srv, "/v1/completions", "sk-a") == b"HTTP/1.1 429 Too Many Requests"
         threads.append(threading.Thread(target=lambda: results["b"].append(
             post(srv, "/v1/chat/completions", CHAT, B).status_code)))
         threads[-1].start()
@@ -152,11 +154,16 @@ def test_a_tenant_over_its_limit_gets_the_429_before_its_body_is_read(srv):
     """Tenant h (1 request a minute) declares a 900 kB body and sends none of it: the 429 comes from its headers
     alone, so a flood over the limit costs the server no parsing (the body used to be read and parsed first)."""
     assert post(srv, "/v1/chat/completions", CHAT, {"Authorization": "Bearer sk-h"}).status_code == 200
+    assert headers_only(srv, "/v1/chat/completions", "sk-h") == b"HTTP/1.1 429 Too Many Requests"
+
+
+def headers_only(srv, path: str, key: str) -> bytes:
+    """The status line of the answer to a request that declares a 900 kB body and sends one byte of it."""
     host, port = srv.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-h\r\n"
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n".encode() +
                   b"Content-Type: application/json\r\nContent-Length: 900000\r\n\r\n{")
-        assert s.recv(4096).split(b"\r\n")[0] == b"HTTP/1.1 429 Too Many Requests"
+        return s.recv(4096).split(b"\r\n")[0]
 
 
 def rss_high_water() -> int:
