@@ -1,5 +1,7 @@
 """The ASGI layers in front of both APIs: the caller's admission, the request body limit, and the metrics port's one
 route."""
+import asyncio
+
 from starlette.requests import Request
 
 from prefixcache.server.errors import ApiError
@@ -9,6 +11,7 @@ CHARGED = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/tokenize
            "/v1/completions/render", "/v1/chat/completions/render"}  # the routes that take a Depends(principal)
 METERED = CHARGED | {"/v1/cache/keys"}  # the routes whose bodies are read at the intake's rate, by tenant
 GATED = {"/v1/chat/completions", "/v1/completions", "/v1/messages"}  # the routes that submit to the engine
+REFUSAL_SECONDS = 1.0  # how long a 429 (529) refused from the headers takes: no sooner than its Retry-After allows
 
 
 class Admission:
@@ -35,6 +38,8 @@ class Admission:
                 raise ApiError(429, f"tenant {caller.tenant!r} has {intake.bound} request bodies being read; retry "
                                     "later", code="rate_limit_exceeded", retry_after=1)
         except ApiError as e:
+            if e.status in (429, 529):  # a client that retries at once costs a request a second, not a busy loop
+                await asyncio.sleep(REFUSAL_SECONDS)
             return await self.server.refusal(scope["path"], e)(scope, receive, send)
         scope.setdefault("state", {})["principal"] = caller
         reading = True
