@@ -3,19 +3,13 @@ ISA build, batch, chunking and block placement, and the engine's fallback to the
 import dataclasses
 import functools
 import inspect
-import os
-import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import GREEDY, generate_with_logits
-from torch.utils import cpp_extension
 
 from prefixcache import LLM, kernels
-from prefixcache.kernels import build
 from prefixcache.models import paged
 from prefixcache.models.attention import Queries
 from prefixcache.models.exactness import row_counts
@@ -196,41 +190,6 @@ def test_warm_chunked_batched_equal_cold_on_both_paths(tiny_model):
         singles = [generate_with_logits(cold, [p], GREEDY)[1][0] for p in prompts]
         outs, together = generate_with_logits(warm, prompts, GREEDY)
         assert outs[1].cached_tokens == 200 and all(torch.equal(a, b) for a, b in zip(singles, together))
-
-
-def test_a_build_is_found_by_sources_torch_and_compiler_or_any_compiler_without_one(monkeypatch, tmp_path):
-    """No compiler and no build: the torch path, saying why. With no compiler (an image that ships the library), a
-    build by any compiler serves; with one, only its own build."""
-    monkeypatch.setenv("PREFIXCACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(kernels, "compiler", lambda: "")
-    assert kernels._load().problem.startswith("not built: no C++ compiler ($CXX or c++) to build them")
-    built = tmp_path / "kernels" / os.path.basename(kernels.folder()) / "0123"
-    built.mkdir(parents=True)
-    (built / f"{kernels.LIBRARY}.so").touch()
-    assert kernels.find("") == str(built / f"{kernels.LIBRARY}.so") and kernels.find("g++ (other) 1.0") == ""
-    monkeypatch.setattr(torch, "__version__", "2.0.0")  # another torch: another folder
-    assert kernels.find("") == ""
-
-
-def test_builds_at_once_take_turns_and_the_library_appears_whole(monkeypatch, tmp_path):
-    """Four processes' first uses at once (threads here: each opens the lock file itself, so flock excludes them as
-    it would processes): one compiles, in a folder of its own renamed into place; the others wait and find it."""
-    monkeypatch.setenv("PREFIXCACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(build, "compiler", lambda: "g++ (test) 1.0")
-    compiled = []
-
-    def load(name, sources, build_directory, **kwargs):
-        assert not kernels.find("g++ (test) 1.0")  # nothing at the final path while the build runs
-        compiled.append(build_directory)
-        time.sleep(0.3)
-        (Path(build_directory) / f"{name}.so").write_bytes(b"library")
-    monkeypatch.setattr(cpp_extension, "load", load)
-    with ThreadPoolExecutor(4) as pool:
-        paths = set(pool.map(lambda _: build.build(), range(4)))
-    assert len(compiled) == 1 and paths == {kernels.find("g++ (test) 1.0")}
-    left = sorted(p.name for p in Path(kernels.folder()).iterdir())
-    assert left == [".lock", os.path.basename(kernels.build_folder("g++ (test) 1.0"))]
-    assert (Path(paths.pop()).parent / "compiler").read_text() == "g++ (test) 1.0\n"
 
 
 def test_a_kernel_that_fails_the_startup_check_falls_back_to_torch(tiny_model, monkeypatch, caplog, tmp_path):
