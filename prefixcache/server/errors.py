@@ -24,6 +24,11 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", str_max_length=MAX_STRING)
 
 
+def api_of(path: str) -> str:
+    """Which API a route belongs to: "anthropic" or "openai"."""
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  retry_after: int | None = None):

@@ -4,7 +4,7 @@ import asyncio
 
 from starlette.requests import Request
 
-from prefixcache.server.errors import ApiError
+from prefixcache.server.errors import ApiError, api_of
 
 METRICS_PORT = "prefixcache.metrics_port"  # in a request's scope: it came in on --metrics-port
 CHARGED = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/tokenize", "/detokenize",
@@ -33,7 +33,7 @@ class Admission:
             if scope["path"] in CHARGED:
                 self.server.charge(caller)
             if scope["path"] in GATED:
-                self.server.check_capacity(caller.tenant, "anthropic" if scope["path"] == "/v1/messages" else "openai")
+                self.server.check_capacity(caller.tenant, api_of(scope["path"]))
             if not intake.begin(caller.tenant):
                 raise ApiError(429, f"tenant {caller.tenant!r} has {intake.bound} request bodies being read; retry "
                                     "later", code="rate_limit_exceeded", retry_after=1)

@@ -17,7 +17,7 @@ from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import encode_system
 from prefixcache.server.auth import Keys, authenticate
 from prefixcache.server.config import ServeConfig
-from prefixcache.server.errors import ApiError
+from prefixcache.server.errors import ApiError, api_of
 from prefixcache.server.gate import admits
 from prefixcache.server.generation import CLIENT_CLOSED, Generation
 from prefixcache.server.intake import Intake
@@ -96,7 +96,7 @@ class Server:
 
     def refusal(self, path: str, e: ApiError) -> JSONResponse:
         """An error in the format of the API at `path`, counted and logged."""
-        api = "anthropic" if path.startswith("/v1/messages") else "openai"
+        api = api_of(path)
         self.metrics.status(api, e.status)
         log.info(json.dumps({"api": api, "path": path, "status": e.status, "error": e.message}))
         return e.anthropic() if api == "anthropic" else e.openai()
