@@ -159,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"waiting requests before 429 / 529 (default: {ServeConfig.max_queue})")
     p.add_argument("--max-body-bytes", type=size,
                    help=f"larger request bodies get 413 (default: {ServeConfig.max_body_bytes})")
-    p.add_argument("--intake-bytes-per-s", type=size, help="request bodies read a second over all tenants, in turns "
-                   "by tenant (parsing them holds the GIL the engine needs); 0: no limit (default: "
+    p.add_argument("--intake-bytes-per-s", type=size, help="bytes of one tenant's request bodies read a second "
+                   "(parsing them holds the GIL the engine needs); 0: no limit (default: "
                    f"{ServeConfig.intake_bytes_per_s})")
     p.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish while new "
                    f"ones get 503 (default: {ServeConfig.grace_seconds})")

@@ -18,8 +18,8 @@ class ServeConfig:
     max_queue: int = 64  # waiting requests beyond the running batch; past it, 429 / 529
     max_body_bytes: int = 1 << 20  # larger request bodies get 413 before they are read further (a body is parsed on
     # the event loop, about 12 ms a MiB here: with a larger cap one tenant's stream of big bodies stalls every stream)
-    intake_bytes_per_s: int = 4 << 20  # request bodies read a second over all tenants, in turns by tenant; 0: no
-    # limit (server/intake.py: parsing a body holds the GIL, which every engine step needs back after each kernel)
+    intake_bytes_per_s: int = 4 << 20  # bytes of a tenant's request bodies read a second; 0: no limit
+    # (server/intake.py: parsing a body holds the GIL, which every engine step needs back after each kernel)
     grace_seconds: float = 30.0  # on SIGTERM: new requests get 503; running ones get this long to finish
     metrics_port: int | None = None  # a listener for GET /metrics alone, without a key (server/serve.py)
     slo_ttft_ms: float | None = None  # objectives: /metrics counts the requests that met and missed each

@@ -1,21 +1,17 @@
-"""How fast request bodies are read: at most `rate` bytes a second over all tenants. Each tenant reading a body has
-a bucket of `burst` bytes that refills at its part of the rate: the rate split by weight (the cache shares, equal
-without them) among the tenants reading bodies now, so a lone tenant gets all of it, and a tenant's flood empties
-its own bucket, never another's.
+"""How fast request bodies are read: each tenant's at most `rate` bytes a second, from a bucket of `burst` bytes. The
+rate is the tenant's own, whatever other tenants send, so one tenant's flood empties its own bucket, never another's,
+and no tenant can tell from its own bodies' pace whether others are sending any.
 
 Why: the event loop parses and validates every body while holding the GIL, about 12 ms a MiB here, and each kernel
 call of the engine thread lets go of the GIL and must wait to get it back. A tenant sending large bodies as fast as
 it can, refused or not, would keep the loop parsing and slow every engine step for every tenant. The rate bounds
-the share of the machine that reading bodies can take; the default, 4 MiB a second, is about a million prompt
+the share of the machine that one tenant's bodies can take; the default, 4 MiB a second, is about a million prompt
 tokens, far more than the engine can prefill, so no workload the engine can serve waits on it.
 """
 import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass
-
-from prefixcache.cache.fair import MIN_WEIGHT
-from prefixcache.cache.shares import guarantees
 
 
 @dataclass
@@ -31,7 +27,6 @@ class Intake:
         self.bound = bound  # bodies one tenant may have being read at once
         self.reading: Counter[str] = Counter()
         self.buckets: dict[str, Bucket] = {}  # the tenants reading bodies, and those whose bucket is not yet full
-        self.shares: dict[str, float] = {}
 
     def begin(self, tenant: str) -> bool:
         """A body of the tenant's is to be read; False, and nothing begun, if it has `bound` being read."""
@@ -49,25 +44,16 @@ class Intake:
         # a bucket refilled to full is a new one: forget it
         self.buckets = {t: b for t, b in self.buckets.items() if t in self.reading or self._refill(t) < self.burst}
 
-    def set_shares(self, shares: dict[str, float]) -> None:
-        self.shares = dict(shares)
-
     async def take(self, tenant: str, size: int) -> None:
         """Return once `size` bytes of a body of the tenant's (begun) may be read, and take them from its bucket."""
         if not self.rate:
             return
         while (level := self._refill(tenant)) <= 0:
-            await asyncio.sleep(-level / self._rate(tenant) + 1e-3)
+            await asyncio.sleep(-level / self.rate + 1e-3)
         self.buckets[tenant].level -= size
 
-    def _rate(self, tenant: str) -> float:
-        """The tenant's part of the rate among the tenants reading bodies now."""
-        weights = {t: max(w, MIN_WEIGHT) for t, w in guarantees(self.reading | Counter({tenant: 1}), self.shares,
-                                                                  1).items()}
-        return self.rate * weights[tenant] / sum(weights.values())
-
     def _refill(self, tenant: str) -> float:
-        """The tenant's bucket's level, refilled at its part of the rate since the last refill."""
+        """The tenant's bucket's level, refilled at the rate since the last refill."""
         b, now = self.buckets[tenant], time.monotonic()
-        b.level, b.stamp = min(self.burst, b.level + (now - b.stamp) * self._rate(tenant)), now
+        b.level, b.stamp = min(self.burst, b.level + (now - b.stamp) * self.rate), now
         return b.level

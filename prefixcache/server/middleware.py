@@ -9,7 +9,7 @@ from prefixcache.server.errors import ApiError, api_of
 METRICS_PORT = "prefixcache.metrics_port"  # in a request's scope: it came in on --metrics-port
 CHARGED = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/tokenize", "/detokenize",
            "/v1/completions/render", "/v1/chat/completions/render"}  # the routes that take a Depends(principal)
-METERED = CHARGED | {"/v1/cache/keys"}  # the routes whose bodies are read at the intake's rate, by tenant
+METERED = CHARGED | {"/v1/cache/keys"}  # the routes whose bodies are read at the tenant's intake rate
 GATED = {"/v1/chat/completions", "/v1/completions", "/v1/messages"}  # the routes that submit to the engine
 REFUSAL_SECONDS = 1.0  # how long a 429 (529) refused from the headers takes: no sooner than its Retry-After allows
 
@@ -18,8 +18,8 @@ class Admission:
     """Authenticates a request to a METERED route and takes one request from its tenant's rate limit (CHARGED routes)
     from the headers alone, before the body is read: a bad credential is a 401 whatever the body, and a tenant over
     its limit, or over its part of the capacity (GATED routes), costs the server its headers, not the parsing of its
-    body. The body is then read at the intake's rate
-    (server/intake.py), in the tenant's turn. The caller goes on in the request's state (state.principal)."""
+    body. The body is then read at the tenant's intake rate (server/intake.py). The caller goes on in the request's
+    state (state.principal)."""
 
     def __init__(self, app, server):
         self.app, self.server = app, server  # server: state.Server

@@ -88,7 +88,6 @@ class Server:
         if self.keys:
             self.shares = shares = self.keys.shares()
             self.preparer.set_shares(shares)
-            self.intake.set_shares(shares)
             self.worker.inbox.put(lambda: self.engine.cache.set_shares(shares))
 
     def auth(self, request: Request) -> Principal:
