@@ -167,10 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, help="a second listener that serves GET /metrics only, with no key, for "
                    "scrapers that send none (the Inference Extension's endpoint picker); keep it off the clients' "
                    "network (default: none)")
-    p.add_argument("--slo-ttft-ms", type=float, help="a time-to-first-token objective: /metrics counts the requests "
-                   "that met and missed it (prefixcache:slo_requests_total)")
-    p.add_argument("--slo-tpot-ms", type=float, help="a time-per-output-token objective (after the first token, as "
-                   "vLLM's benchmark computes it), counted the same way")
     p.add_argument("--allow-torch-path", action="store_true", default=None, help="serve even where our kernels cannot "
                    "run, on the torch path (4-5x slower decode); without it the server refuses to start there and "
                    "says why")

@@ -47,6 +47,11 @@ class Config:
     # step under way (Engine.lane_step). Small values keep other tenants' first tokens fast, at the cost of the
     # long prompts' throughput
     fairness_steps: int = 32  # a waiting request is admitted first once it has been passed over this often
+    slo_ttft_ms: float | None = None  # a time-to-first-token objective: a waiting request is admitted before it
+    # would miss it, one that will miss it anyway waits behind its tenant's others (engine/pace.py); /metrics counts
+    # the requests that met and missed it
+    slo_tpot_ms: float | None = None  # a time-per-output-token objective (after the first, as vLLM's benchmark
+    # computes it): a step takes the prefill that fits the slack of the sequences it decodes; counted on /metrics too
     speculative: str = "off"  # draft tokens from: off | prompt (lookup in the request) | answers (the scope's
     # recent outputs) | both; every draft is verified, so greedy output is bit-identical (engine/drafter.py)
     num_speculative_tokens: int = 8  # the longest draft, up to 16; each request's shrinks with its acceptance
@@ -73,6 +78,10 @@ class Config:
                               ("kernels", KERNELS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            ms = getattr(self, name)
+            if ms is not None and not 0 < ms < float("inf"):
+                raise ValueError(f"{name}={ms} (--{name.replace('_', '-')}): milliseconds must be a positive number")
         if (self.disk_cache or self.redis_url) and not self.enable_prefix_cache:
             raise ValueError("disk_cache and redis_url are tiers of the prefix cache: enable it")
 

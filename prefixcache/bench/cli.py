@@ -107,14 +107,21 @@ def main(args) -> None:
     tenants = sorted({t for w in workloads for t in w.tenants} | set(multi_tenant(args.seed, size).tenants))
     servers = Servers(tenants, os.path.join(folder, "server.log"))
     bench = Bench(Load(users=args.users, rate=args.rate, seed=args.seed), prices,
-                  ServerOptions(kv_cache_bytes=args.kv_cache_bytes, min_cache_tokens=args.min_cache_tokens), servers,
-                  objectives)
+                  ServerOptions(kv_cache_bytes=args.kv_cache_bytes, min_cache_tokens=args.min_cache_tokens,
+                                extra=slo_flags(objectives)), servers, objectives)
     try:
         if args.export_trace:
             return export(args, workloads[0], bench)
         _main(args, name, folder, size, workloads, bench)
     finally:
         servers.close()
+
+
+def slo_flags(objectives: Objectives | None) -> tuple[str, ...]:
+    """The servers started here are told the objectives they are measured against, and schedule by them."""
+    given = objectives.given() if objectives else {}
+    return tuple(x for name in ("ttft", "tpot") if name in given
+                 for x in (f"--slo-{name}-ms", f"{given[name] * 1000:g}"))
 
 
 def export(args, workload, bench) -> None:

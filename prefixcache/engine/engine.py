@@ -24,6 +24,7 @@ from prefixcache.engine.detokenizer import Detokenizer
 from prefixcache.engine.drafter import Drafter
 from prefixcache.engine.finish import append
 from prefixcache.engine.grammar import Grammars
+from prefixcache.engine.pace import Pace
 from prefixcache.engine.runner import ModelRunner, choose_ops
 from prefixcache.engine.sampler import RowFault, Sampler
 from prefixcache.engine.scheduler import Scheduler
@@ -36,6 +37,7 @@ from prefixcache.engine.sequence import (
     request_samples,
 )
 from prefixcache.engine.speculation import Speculation
+from prefixcache.engine.step_cost import StepCost, Work
 from prefixcache.engine.tiering import open_tiers
 from prefixcache.models.catalog import NAMES, model_path
 from prefixcache.models.cpu import check_dtype
@@ -82,8 +84,12 @@ class Engine:
         if config.kv_events_config:
             self.events = open_events(config.kv_events_config, config.block_size, self.blocks.owner)
             self.blocks.listen(self.events)
+        self.cost = StepCost()
+        paced = config.slo_ttft_ms is not None or config.slo_tpot_ms is not None
+        pace = Pace(config.slo_ttft_ms and config.slo_ttft_ms / 1000, config.slo_tpot_ms and config.slo_tpot_ms / 1000,
+                    self.cost) if paced else None
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps,
-                                   config.shared_chunk)
+                                   config.shared_chunk, pace)
         ops, status = choose_ops(config, c.head_dim)
         model = Llama(weights, config.attn_tile, ops)
         self.exactness = model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs,
@@ -100,6 +106,7 @@ class Engine:
                                        self.max_model_len)
         self.cache = CacheAdmin(self.blocks, self.scheduler, self.speculation.drafter, self.grammars, self.scope)
         self.prompt_tokens_computed = 0  # prompt tokens prefilled (a cache hit skips them, n samples share them)
+        self.step_tokens = {"prefill": 0, "decode": 0}  # tokens computed in steps, by kind (a draft is decode)
         self.ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
         self.lane_open = False  # a step is under way and no lane step has run inside it
 
@@ -124,7 +131,7 @@ class Engine:
         blocks freed) and StepFailed names them. `between` is called before each layer of the forward; it may call
         lane_step()."""
         failed = self._compiled()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(time.monotonic())
         if not plan:  # nothing runnable: give lookups in the KV tiers and grammars a moment rather than spin
             self.blocks.wait_for_lookups(self.scheduler.waiting)
             wait([s.grammar for s in self.scheduler.waiting if s.grammar], 0.002, FIRST_COMPLETED)
@@ -146,6 +153,10 @@ class Engine:
     def _run(self, plan: list[tuple[Sequence, int]], between: Callable[[], None] | None) -> list[Sequence]:
         drafts = self.speculation.drafts(plan)  # appended to their sequences' tokens for this forward only
         plan = [(seq, n + len(drafts.get(seq.id, ()))) for seq, n in plan]
+        work, started = Work(), time.monotonic()
+        for seq, n in plan:
+            work += Work.chunk(seq.num_computed, n)
+            self.step_tokens["decode" if seq.num_uncomputed <= 1 + len(drafts.get(seq.id, ())) else "prefill"] += n
         try:
             logits, prompt_hidden = self.runner.run(plan, set(drafts), between)
         except Exception as e:
@@ -163,6 +174,8 @@ class Engine:
                 continue
             touched += self._isolated(seq, lambda: self._postprocess(seq, n - len(draft), logits.get(seq.id), draft,
                                                                  prompt_hidden.get(seq.id)))
+        if between is None or self.lane_open:  # else a lane step ran inside it: its time is not this plan's alone
+            self.cost.record(work, time.monotonic() - started)
         return touched
 
     def _postprocess(self, seq: Sequence, n: int, logits: torch.Tensor | None, draft: list[int],
@@ -267,6 +280,7 @@ class Engine:
         s["waiting"] = len(self.scheduler.waiting)
         s["preemptions"] = self.scheduler.num_preemptions
         s["prompt_tokens_computed"] = self.prompt_tokens_computed
+        s["step_tokens"] = dict(self.step_tokens)
         s.update({f"spec_{k}": v for k, v in self.speculation.counts.items()})
         return s
 

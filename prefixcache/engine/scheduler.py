@@ -7,13 +7,20 @@ memory pressure preempts the newest sequence of the tenant holding the most KV b
 request that does not fit (slots or memory) is passed over, not waited for, until it has been passed over
 `fairness_steps` times; then it goes first and nothing overtakes it (unless its tenant holds its part while another
 waits below its own).
+
+Given latency objectives (a Pace), fairness still decides whose request goes next, and the objectives how much
+prefill a step takes: what fits in the slack of the sequences it decodes, plus the requests whose first token would
+be late otherwise. A request that needs only a short suffix past its cached prefix fits where a cold one would not.
 """
+import math
 import time
 from collections import Counter, deque
 
 from prefixcache.cache.shares import guarantees
 from prefixcache.engine.blocks import BlockManager
+from prefixcache.engine.pace import Pace
 from prefixcache.engine.sequence import Sequence, Status
+from prefixcache.engine.step_cost import Work
 
 USAGE_HALF_LIFE = 2.0  # seconds: how fast a tenant's engine use is forgotten (Scheduler.charge)
 NEXT_REQUEST = 0.1  # seconds a tenant still counts as having work after its last request finished: the gap of a
@@ -39,8 +46,9 @@ class PrefillShares:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int, fairness_steps: int,
-                 shared_chunk: int = 0):
+                 shared_chunk: int = 0, pace: Pace | None = None):
         self.blocks = blocks
+        self.pace = pace  # None: no objectives, steps are sized by max_batch_tokens alone
         self.shared_chunk = shared_chunk  # 0: off
         self.usage: dict[str, float] = {}  # tenant -> tokens computed, halved every USAGE_HALF_LIFE (charge)
         self.charged_at = time.monotonic()
@@ -59,19 +67,23 @@ class Scheduler:
         self.blocks.prefetch(seq)
         self.waiting.append(seq)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens to compute) pairs: decodes first, then prefill chunks, within the token budget. While
-        several tenants have work, each tenant's prefill tokens in a step are capped at `shared_chunk` (if set),
-        except the one that has had the least engine time lately, so that one tenant's long prompts keep steps
-        short for the others' first tokens."""
+    def schedule(self, now: float) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to compute) pairs: decodes first, then prefill chunks, within the token budget and, with
+        objectives, the step's slack (see the module). While several tenants have work, each tenant's prefill tokens
+        in a step are capped at `shared_chunk` (if set), except the one that has had the least engine time lately,
+        so that one tenant's long prompts keep steps short for the others' first tokens."""
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
         self._rebalance()
         shares = self._prefill_shares()
-        for seq in list(self.running):
+        slack = self.pace.slack(self.running, now) if self.pace else math.inf
+        step = Work(len([s for s in self.running if s.num_uncomputed == 1]), 0)  # the decodes' rows, then what joins
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             n = shares.allow(seq, min(seq.num_uncomputed, budget))
+            if n > 1:
+                n = self._fit(seq.num_computed, n, step, slack)
             if n == 0:
                 continue
             while not self.blocks.grow(seq, n):
@@ -83,22 +95,30 @@ class Scheduler:
                 plan.append((seq, n))
                 budget -= n
                 shares.take(seq, n)
+                step += Work.chunk(seq.num_computed, n) if n > 1 else Work(0, seq.num_computed + 1)
         plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
-        for seq, m, due in self._admission_order():
-            if budget == 0:
-                break
-            if self._waits_for_inflight(seq, m) or not shares.allow(seq, budget):
-                continue
-            if self.num_slots + 1 + len(seq.forks) > self.max_num_seqs or not self.blocks.admit(seq, m):
-                if due:
-                    break  # passed over long enough: it waits for slots or memory, and nothing overtakes it
-                continue
-            self.waiting.remove(seq)
-            self.adopt(seq)
-            n = shares.allow(seq, min(seq.num_uncomputed, budget))
-            plan.append((seq, n))
-            budget -= n
-            shares.take(seq, n)
+        order, blocked = self._admission_order(now), False
+        for whole in (True, False) if self.pace else (True,):  # paced: requests that fit whole first, then chunks
+            for seq, m, due in order:
+                if budget == 0 or blocked:
+                    break
+                if seq.status is not Status.WAITING or self._waits_for_inflight(seq, m) or \
+                        not shares.allow(seq, budget):
+                    continue
+                need = self._paced(seq, len(m), step, slack, due, now, whole)
+                if need == 0:
+                    continue
+                if self.num_slots + 1 + len(seq.forks) > self.max_num_seqs or not self.blocks.admit(seq, m):
+                    blocked = due  # passed over long enough: it waits for slots or memory, and nothing overtakes it
+                    continue
+                self.waiting.remove(seq)
+                self.adopt(seq)
+                seq.scheduled_time = seq.scheduled_time or now
+                n = shares.allow(seq, min(seq.num_uncomputed, budget, need))
+                plan.append((seq, n))
+                budget -= n
+                shares.take(seq, n)
+                step += Work.chunk(seq.num_computed, n)
         for seq in self.waiting:
             seq.skipped += 1
         if shares.cap is not None:
@@ -110,7 +130,7 @@ class Scheduler:
         reach their next token (short prompts past their cached prefix), admitted now without preempting anyone,
         with those tokens."""
         plan = []
-        for seq, m, _ in self._admission_order():
+        for seq, m, _ in self._admission_order(time.monotonic()):
             n = len(seq.tokens) - len(m)
             if n > budget or self.num_slots + 1 + len(seq.forks) > self.max_num_seqs:
                 continue
@@ -118,6 +138,7 @@ class Scheduler:
                 continue
             self.waiting.remove(seq)
             self.adopt(seq)
+            seq.scheduled_time = seq.scheduled_time or time.monotonic()
             plan.append((seq, seq.num_uncomputed))
             budget -= seq.num_uncomputed
         return plan
@@ -236,29 +257,62 @@ class Scheduler:
         self.last_was_lane = first and chunked and not self.last_was_lane
         return [(seq, n) for seq, n in plan if n == seq.num_uncomputed] if self.last_was_lane else plan
 
-    def _admission_order(self) -> list[tuple[Sequence, object, bool]]:
+    def _admission_order(self, now: float) -> list[tuple[Sequence, object, bool]]:
         """(request, its cache match, whether it is due): a request passed over `fairness_steps` times is due, and goes
         first, unless its tenant holds its part of the slots while another tenant waits below its own (then its
         requests are passed over by design, and waiting earns them nothing); then weighted round-robin
         over tenants (a request's turn: its tenant's running slots plus the tenant's requests waiting ahead of it,
         over the tenant's part of the slots), so one tenant's flood of requests cannot starve another's; then the
-        longest cached prefix, then arrival. A request whose lookup in the KV tiers below memory, or whose grammar,
-        is not ready waits for it, without taking a turn."""
-        ready = self._ready()
+        longest cached prefix, then arrival. With a TTFT objective, a tenant's requests that can no longer meet it
+        queue behind its others. A request whose lookup in the KV tiers below memory, or whose grammar, is not ready
+        waits for it, without taking a turn."""
+        ready = [(seq, self.blocks.match(seq)) for seq in self._ready()]
+        if self.pace:
+            ready.sort(key=lambda p: self.pace.hopeless(p[0], self._need(p[0], len(p[1])), now))  # stable: arrival
         turn = self._slots()
-        for seq in ready:
+        for seq, _ in ready:
             turn[seq.scope.tenant] += 0
         fair = guarantees(turn, self.shares, self.max_num_seqs)
         order = []
-        for seq in ready:
+        for seq, m in ready:
             part = max(fair[seq.scope.tenant], 1e-9)  # a tenant without a share when the shares take all: last
-            order.append((seq, self.blocks.match(seq), turn[seq.scope.tenant] / part))
+            order.append((seq, m, turn[seq.scope.tenant] / part))
             turn[seq.scope.tenant] += 1 + len(seq.forks)
         under = {seq.scope.tenant for seq, _, t in order if t < 1}
         order = [(seq, m, t, seq.skipped >= self.fairness_steps and (t < 1 or not under - {seq.scope.tenant}))
                  for seq, m, t in order]
         order.sort(key=lambda p: (not p[3], p[2], -len(p[1]), p[0].arrival))
         return [(seq, m, due) for seq, m, _, due in order]
+
+    @staticmethod
+    def _need(seq: Sequence, cached: int) -> Work:
+        """A waiting request's work to its first token: its prompt past the cached prefix."""
+        return Work.chunk(cached, len(seq.tokens) - cached)
+
+    def _fit(self, context: int, n: int, step: Work, slack: float) -> int:
+        """The most of n prompt tokens after `context` that a step of `step` so far can add within its slack, but at
+        least a block's worth (or n, if fewer), so that an admitted prompt always moves on."""
+        floor = min(n, self.blocks.bs)
+        if slack == math.inf or self.pace.cost.seconds(step + Work.chunk(context, n)) <= slack:
+            return n
+        lo, hi = floor, n  # lo fits (or is the floor), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.pace.cost.seconds(step + Work.chunk(context, mid)) <= slack else (lo, mid)
+        return lo
+
+    def _paced(self, seq: Sequence, cached: int, step: Work, slack: float, due: bool, now: float, whole: bool) -> int:
+        """How many of a waiting request's prompt tokens this step may compute (0: it waits), by the objectives. First
+        (`whole`): all of them, if they fit the slack, or it is due, or waiting longer would make it miss its first
+        token's deadline. Then, from what slack is left: a chunk, if a block's worth fits."""
+        need = self._need(seq, cached)
+        if not self.pace or due or self.pace.cost.seconds(step + need) <= slack or \
+                self.pace.urgent(seq, need, step, now):
+            return need.rows if whole else 0
+        if whole:
+            return 0
+        n = self._fit(cached, need.rows, step, slack)
+        return n if self.pace.cost.seconds(step + Work.chunk(cached, n)) <= slack else 0
 
     def _waits_for_inflight(self, seq: Sequence, m) -> bool:
         """True if a running prefill is computing the next block of this request's prefix: wait, then hit."""

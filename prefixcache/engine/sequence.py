@@ -117,6 +117,7 @@ class RequestOutput:
     # hit, diverged, evicted, expired, below_min_length, cold (nothing cached), disabled
     ttft: float | None  # seconds from arrival to first token
     latency: float | None
+    queue_time: float | None = None  # seconds from arrival to its first step
     index: int = 0  # which of the request's samples this is
     cumulative_logprob: float = 0.0  # of the output tokens, under the raw logits
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
@@ -204,6 +205,7 @@ class Sequence:
         self.grammar = grammar  # until it has compiled; then the matcher
         self.matcher: Matcher | None = None  # the guide's grammar state, once the grammar is compiled
         self.arrival = time.monotonic()
+        self.scheduled_time: float | None = None  # when it was first admitted to a step
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.index = 0 if samples is None else len(samples)  # which of its request's samples this is
@@ -233,6 +235,7 @@ class Sequence:
             text=self.text, finish_reason=self.finish_reason, cached_tokens=c.num_cached or 0,
             cache_write_tokens=dict(c.write), scope_kind=c.scope_kind, miss_cause=c.miss_cause,
             ttft=first - self.arrival if first else None, latency=end - self.arrival if end else None,
+            queue_time=self.scheduled_time - self.arrival if self.scheduled_time else None,
             index=self.index, cumulative_logprob=self.cumulative_logprob,
             logprobs=self.logprobs and list(self.logprobs),
             prompt_logprobs=self.prompt_logprobs and list(self.prompt_logprobs),

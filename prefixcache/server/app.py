@@ -22,7 +22,7 @@ from prefixcache.server.worker import EngineWorker
 
 
 def create_app(cfg: ServeConfig) -> FastAPI:
-    cfg.objectives()  # a bad objective or OIDC config fails before the model loads
+    # a bad OIDC config fails here, before the model loads
     oidc = OidcVerifier(OidcConfig.read(cfg.auth_oidc), cfg.auth_oidc) if cfg.auth_oidc else None
     server = Server(cfg, EngineWorker(lambda: load_engine(cfg)), oidc)
 

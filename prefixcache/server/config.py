@@ -2,7 +2,7 @@
 from dataclasses import dataclass, field, fields
 
 from prefixcache.config import Config
-from prefixcache.slo import Objectives, positive_ms
+from prefixcache.slo import Objectives
 
 
 @dataclass
@@ -22,16 +22,13 @@ class ServeConfig:
     # (server/intake.py: parsing a body holds the GIL, which every engine step needs back after each kernel)
     grace_seconds: float = 30.0  # on SIGTERM: new requests get 503; running ones get this long to finish
     metrics_port: int | None = None  # a listener for GET /metrics alone, without a key (server/serve.py)
-    slo_ttft_ms: float | None = None  # objectives: /metrics counts the requests that met and missed each
-    slo_tpot_ms: float | None = None
     allow_torch_path: bool = False  # serve where our kernels cannot run (not built, the CPU, the options, a failed
     # startup check): torch's path decodes 4-5x slower; without it such a replica refuses to start
 
     def objectives(self) -> Objectives:
-        """The server's latency objectives; a ValueError names the one that is not a positive number."""
-        given = {name: positive_ms(str(ms), f"--slo-{name}-ms")
-                 for name, ms in (("ttft", self.slo_ttft_ms), ("tpot", self.slo_tpot_ms)) if ms is not None}
-        return Objectives(**given)
+        """The engine's latency objectives, which /metrics counts against."""
+        e = self.engine
+        return Objectives(ttft=e.slo_ttft_ms and e.slo_ttft_ms / 1000, tpot=e.slo_tpot_ms and e.slo_tpot_ms / 1000)
 
 
 SERVE_OPTIONS = tuple(f.name for f in fields(ServeConfig) if f.name != "engine")

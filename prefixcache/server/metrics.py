@@ -54,6 +54,12 @@ class EngineCollector:
                      "Prompt tokens looked up in the prefix cache", s["query_tokens"])
         yield family(CounterMetricFamily, "vllm:prefix_cache_hits",
                      "Prompt tokens found in the prefix cache", s["hit_tokens"])
+        steps = CounterMetricFamily("prefixcache:step_tokens", "Tokens computed in engine steps, by kind: prompt "
+                                    "tokens (prefill) or a sequence's next token and its drafts (decode)",
+                                    labels=["model_name", "kind"])
+        for kind, n in s["step_tokens"].items():
+            steps.add_metric(labels[:1] + [kind], n)
+        yield steps
         yield family(CounterMetricFamily, "vllm:num_preemptions",
                      "Running requests preempted for memory (recomputed later)", s["preemptions"])
         for name, doc in (("drafts", "Speculative drafts verified"),
@@ -135,6 +141,9 @@ class Metrics:
                               "Seconds from a request's arrival to its first output token", buckets=TTFT_BUCKETS, **kw)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
                              "Seconds from a request's arrival to its last output token", buckets=LATENCY_BUCKETS, **kw)
+        self.queue = Histogram("vllm:request_queue_time_seconds",
+                               "Seconds from a request's arrival to the first engine step it is in",
+                               buckets=LATENCY_BUCKETS, **kw)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Seconds between a request's output tokens",
                              buckets=ITL_BUCKETS, **kw)
         tokens = token_buckets(max_model_len)
@@ -177,6 +186,8 @@ class Metrics:
             self.misses.labels(m[0], out.miss_cause).inc()
         if out.ttft is not None:
             self.ttft.labels(*m).observe(out.ttft)
+        if out.queue_time is not None:
+            self.queue.labels(*m).observe(out.queue_time)
         if out.latency is not None:
             self.e2e.labels(*m).observe(out.latency)
         if out.ttft is not None and out.latency is not None:

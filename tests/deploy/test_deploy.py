@@ -312,8 +312,8 @@ def test_every_series_the_dashboard_queries_is_on_a_live_servers_metrics(tiny_mo
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk-admin": {"tenant": "ops", "admin": True}}))
     srv = _start("grafana-l2", ServeConfig(Config(model=tiny_model, kv_cache_bytes=2 * 2**20, min_cache_tokens=0,
-                                                 disk_cache=str(tmp_path / "l2")), api_keys=str(keys),
-                                      slo_ttft_ms=2000, slo_tpot_ms=200))
+                                                 disk_cache=str(tmp_path / "l2"), slo_ttft_ms=2000,
+                                                 slo_tpot_ms=200), api_keys=str(keys)))
     import httpx
 
     r = httpx.post(f"{srv.url}/v1/completions", headers={"Authorization": "Bearer sk-admin"},

@@ -58,7 +58,7 @@ def test_the_highest_rate_at_90_percent():
 def test_the_server_counts_requests_against_its_objectives(tiny_model):
     """--slo-ttft-ms and --slo-tpot-ms: one objective every request meets, one none can; both series exist
     before the first request."""
-    srv = _start("slo", ServeConfig(Config(model=tiny_model), slo_ttft_ms=600_000, slo_tpot_ms=0.0001))
+    srv = _start("slo", ServeConfig(Config(model=tiny_model, slo_ttft_ms=600_000, slo_tpot_ms=0.0001)))
     before = metrics(srv.url)
     assert before[("prefixcache:slo_requests_total", (("objective", "ttft"), ("result", "met")))] == 0
     for _ in range(2):

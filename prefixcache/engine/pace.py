@@ -1,0 +1,39 @@
+"""Steps sized against the latency objectives (`--slo-ttft-ms`, `--slo-tpot-ms`), on a clock passed in.
+
+A running sequence with n output tokens meets its TPOT objective if its next token comes by first + tpot * n, so a
+step may take until the earliest such deadline of the sequences it decodes: the prefill it carries beside the
+decodes is what fits in that slack, by the step's predicted cost (engine/step_cost.py). A waiting request meets its
+TTFT objective if its prompt's uncached part is computed by arrival + ttft: it is *hopeless* once even a step of its
+own now would end after that, and *urgent* once waiting one more step would; an urgent request is admitted though
+its prefill overruns the step's slack (the decodes' TPOT is an average over their answers, and a longer step now
+can be made up; a missed first token cannot), a hopeless one goes behind the others of its tenant.
+"""
+import math
+
+from prefixcache.engine.sequence import Sequence
+from prefixcache.engine.step_cost import StepCost, Work
+
+
+class Pace:
+    def __init__(self, ttft: float | None, tpot: float | None, cost: StepCost):
+        self.ttft, self.tpot, self.cost = ttft, tpot, cost
+
+    def slack(self, running: list[Sequence], now: float) -> float:
+        """Seconds the next step may take before a sequence it decodes misses its TPOT objective (inf: none could)."""
+        if self.tpot is None:
+            return math.inf
+        due = [s.first_token_time + self.tpot * len(s.output_ids) for s in running if s.first_token_time is not None]
+        return min(due, default=math.inf) - now
+
+    def deadline(self, seq: Sequence) -> float:
+        """When the request's first token is due (inf without a TTFT objective)."""
+        return math.inf if self.ttft is None else seq.arrival + self.ttft
+
+    def hopeless(self, seq: Sequence, work: Work, now: float) -> bool:
+        """Even a step of its own, started now, would give its first token after its deadline."""
+        return now + self.cost.seconds(work) > self.deadline(seq)
+
+    def urgent(self, seq: Sequence, work: Work, step: Work, now: float) -> bool:
+        """It can still meet its deadline, but not if it waits for a step of this size first."""
+        return not self.hopeless(seq, work, now) and now + self.cost.seconds(step) + self.cost.seconds(work) > \
+            self.deadline(seq)

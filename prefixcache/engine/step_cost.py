@@ -1,0 +1,61 @@
+"""What an engine step costs, in seconds, learned from the steps the engine has run: a fixed part, a part per row
+the weights multiply (a decode row or a prompt token) and a part per query-key pair attended. A step's cost is
+linear in those on a CPU (the GEMMs are bound by compute, attention by the keys it reads), so a least-squares fit
+over the recent steps predicts the next one; the scheduler sizes steps by it against the latency objectives
+(engine/pace.py). The machine's speed is shared by every tenant, so this tells no one anything about another."""
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+WINDOW = 256  # recent steps the fit is over
+PRIOR = np.array([0.02, 0.003, 2e-9])  # seconds: a step, a row, a query-key pair; replaced as steps are seen
+PRIOR_WEIGHT = 0.01  # the prior counts as a hundredth of a step: it decides only what the steps seen leave open
+
+
+@dataclass(frozen=True)
+class Work:
+    """A step's size: rows through the weights, and query-key pairs attended."""
+
+    rows: int = 0
+    keys: int = 0
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.rows + other.rows, self.keys + other.keys)
+
+    @classmethod
+    def chunk(cls, context: int, n: int) -> "Work":
+        """n tokens computed after `context` tokens: each attends to the ones before it and itself."""
+        return cls(n, n * context + n * (n + 1) // 2)
+
+
+class StepCost:
+    def __init__(self):
+        self.seen: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)  # rows, keys, seconds
+        self.coef = PRIOR.copy()
+        self.unfit = 0  # steps seen since the last fit
+
+    def seconds(self, work: Work) -> float:
+        """The predicted seconds of a step of this size."""
+        return float(self.coef @ (1.0, work.rows, work.keys))
+
+    def per_token(self, context: int) -> float:
+        """The predicted seconds one more prompt token after `context` costs a step."""
+        return float(self.coef[1] + self.coef[2] * (context + 1))
+
+    def record(self, work: Work, seconds: float) -> None:
+        """A step of this size took this long; refit every few steps."""
+        self.seen.append((work.rows, work.keys, seconds))
+        self.unfit += 1
+        if self.unfit >= 8:
+            self.fit()
+
+    def fit(self) -> None:
+        """Ridge least squares toward the prior, each part at least zero."""
+        self.unfit = 0
+        data = np.array(self.seen)
+        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+        scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # columns to one range, so the ridge weighs each alike
+        xs, ridge = x / scale, PRIOR_WEIGHT * np.eye(3)
+        coef = np.linalg.solve(xs.T @ xs + ridge, xs.T @ data[:, 2] + ridge @ (PRIOR * scale)) / scale
+        self.coef = np.maximum(coef, 0.0)

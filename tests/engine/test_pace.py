@@ -1,0 +1,117 @@
+"""The scheduler against latency objectives (engine/pace.py): its decisions on a clock passed in and a step cost set
+by hand (10 ms a step, 1 ms a row, nothing per key), so no test depends on the machine's speed. Sequences are real,
+on the tiny model; the decodes get their first token from real steps, then their times are set."""
+import numpy as np
+import pytest
+
+from prefixcache import LLM, CacheScope, SamplingParams
+from prefixcache.engine.sequence import Status
+from prefixcache.engine.step_cost import StepCost, Work
+
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+NOW = 1000.0  # the clock passed in
+
+
+def prompt(i: int, n: int) -> list[int]:
+    """n tokens that share nothing with another i's."""
+    return [100 + i] + list(range(3000, 3000 + n - 1))
+
+
+def decoding(tiny_model, slack: float = 0.05, **objectives) -> LLM:
+    """An engine with two sequences decoding whose next tokens are due `slack` after NOW under a TPOT objective of
+    100 ms, and the step cost set by hand."""
+    llm = LLM(model=tiny_model, **objectives)
+    for i in range(2):
+        llm.engine.add_request(prompt(i, 20), LONG)
+    llm.engine.step()
+    due_at(llm, NOW + slack)
+    return llm
+
+
+def due_at(llm: LLM, t: float) -> None:
+    """The running sequences' next tokens due at t (TPOT 100 ms), and the step cost set by hand."""
+    for seq in llm.engine.scheduler.running:
+        assert seq.output_ids
+        seq.first_token_time = t - 0.1 * len(seq.output_ids)
+    llm.engine.cost.coef = np.array([0.01, 0.001, 0.0])
+
+
+def waiting(llm: LLM, i: int, n: int, arrival: float, tokens: list[int] | None = None):
+    seq = llm.engine.add_request(tokens or prompt(i, n), LONG)
+    seq.arrival = arrival
+    return seq
+
+
+def test_a_step_takes_the_prefill_that_fits_its_decodes_tpot_slack(tiny_model):
+    llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)
+    fits = waiting(llm, 10, 30, NOW)  # 12 ms of decodes + 30 ms: within the 50 ms left
+    big = waiting(llm, 11, 60, NOW)  # another 60 ms would not be; its first token is not due for a second
+    plan = dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))
+    assert plan[fits.id] == 30 and fits.status is Status.RUNNING
+    assert big.id not in plan and big.status is Status.WAITING
+
+
+def test_a_waiting_request_goes_once_waiting_longer_would_miss_its_first_token(tiny_model):
+    llm = decoding(tiny_model, 0.02, slo_tpot_ms=100, slo_ttft_ms=1000)  # 8 ms left past the decodes: no chunk
+    big = waiting(llm, 11, 60, NOW - 0.85)  # due at NOW + 0.15: a step of 12 ms, then its own of 70 ms, fit
+    assert big.id not in dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))
+    plan = dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW + 0.07))  # now they do not
+    assert plan[big.id] == 60  # though the decodes' next token is late: a first token missed is not made up
+
+
+def test_without_objectives_every_waiting_request_goes_as_before(tiny_model):
+    llm = decoding(tiny_model)
+    big = waiting(llm, 11, 60, NOW)
+    assert dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))[big.id] == 60
+
+
+def test_a_request_with_its_prefix_cached_goes_ahead_of_a_cold_one_when_only_it_fits(tiny_model):
+    llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)
+    shared = list(range(3000, 3064))
+    llm.generate([shared + [7]], SamplingParams(temperature=0.0, max_tokens=1))  # 64 tokens cached
+    due_at(llm, NOW + 0.05)
+    cold = waiting(llm, 12, 74, NOW - 0.1, tokens=[5] + shared[:73])  # first: 74 tokens to compute
+    warm = waiting(llm, 13, 74, NOW, tokens=shared + list(range(200, 210)))  # 10 past the cached 64
+    plan = dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))
+    assert plan[warm.id] == 10 and warm.cache.num_cached == 64
+    assert cold.id not in plan or plan[cold.id] <= 28  # at most the slack left over, as a chunk
+
+
+def test_what_slack_is_left_goes_to_a_chunk_of_a_prompt_too_long_to_fit(tiny_model):
+    llm = decoding(tiny_model, slo_tpot_ms=100)
+    long = waiting(llm, 11, 300, NOW)  # no TTFT objective: never urgent
+    plan = dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW + 0.0005))
+    assert plan[long.id] == 37  # 10 ms + 2 decode rows + 37 rows = 49 ms, within the 49.5 ms left
+    assert long.status is Status.RUNNING
+    plan = dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW + 0.2))  # the decodes are late already
+    assert plan[long.id] == llm.engine.blocks.bs  # a running prompt still moves on, a block a step
+
+
+def test_a_request_that_can_no_longer_meet_its_first_token_queues_behind_its_tenants_others(tiny_model):
+    llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)
+    late = waiting(llm, 11, 30, NOW - 2.0)  # its first token was due a second ago
+    fresh = waiting(llm, 12, 30, NOW)
+    plan = dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))
+    assert plan[fresh.id] == 30 and late.id not in plan  # the slack held one of them
+
+
+def test_objectives_are_the_tenants_fair_turns_too(tiny_model):
+    """Fairness decides whose request goes next; the objectives only how much a step takes."""
+    llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)
+    e = llm.engine
+    a = [e.add_request(prompt(20 + i, 15), LONG, CacheScope("a")) for i in range(2)]
+    b = e.add_request(prompt(30, 15), LONG, CacheScope("b"))
+    for seq, at in zip((*a, b), (NOW - 0.02, NOW - 0.01, NOW)):
+        seq.arrival = at
+    plan = dict((s.id, n) for s, n in e.scheduler.schedule(NOW))  # the slack holds two of 15 tokens, not three
+    assert a[0].id in plan and b.id in plan and a[1].id not in plan  # b's turn comes before a's second
+
+
+def test_the_step_cost_is_learned_from_the_steps_seen():
+    cost = StepCost()
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        work = Work(int(rng.integers(1, 200)), int(rng.integers(0, 10**6)))
+        cost.record(work, 0.004 + 0.002 * work.rows + 3e-8 * work.keys)
+    assert cost.coef == pytest.approx([0.004, 0.002, 3e-8], rel=0.05)
+    assert cost.seconds(Work(10, 1000)) == pytest.approx(0.004 + 0.02 + 3e-5, rel=0.05)
