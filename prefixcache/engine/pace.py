@@ -2,7 +2,8 @@
 
 A running sequence with n output tokens meets its TPOT objective if its next token comes by first + tpot * n, so a
 step may take until the earliest such deadline of the sequences it decodes: the prefill it carries beside the
-decodes is what fits in that slack, by the step's predicted cost (engine/step_cost.py). A waiting request meets its
+decodes is what fits in that slack, by the step's predicted cost (engine/step_cost.py). A request joins the running
+ones only while a step decoding them all stays within the TPOT objective. A waiting request meets its
 TTFT objective if its prompt's uncached part is computed by arrival + ttft: it is *hopeless* once even a step of its
 own now would end after that, and *urgent* once waiting one more step would; an urgent request is admitted though
 its prefill overruns the step's slack (the decodes' TPOT is an average over their answers, and a longer step now
@@ -24,6 +25,11 @@ class Pace:
             return math.inf
         due = [s.first_token_time + self.tpot * len(s.output_ids) for s in running if s.first_token_time is not None]
         return min(due, default=math.inf) - now
+
+    def room(self, batch: Work, tokens: int) -> bool:
+        """A sequence of this many tokens may join `batch` (the running ones, decoding): the step decoding them all
+        stays within the TPOT objective, or none is running."""
+        return self.tpot is None or not batch.rows or self.cost.seconds(batch + Work(1, tokens)) <= self.tpot
 
     def deadline(self, seq: Sequence) -> float:
         """When the request's first token is due (inf without a TTFT objective)."""

@@ -97,6 +97,7 @@ class Scheduler:
                 shares.take(seq, n)
                 step += Work.chunk(seq.num_computed, n) if n > 1 else Work(0, seq.num_computed + 1)
         plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
+        batch = Work(len(self.running), sum(len(s.tokens) for s in self.running))  # a step decoding every one
         order, blocked = self._admission_order(now), False
         for whole in (True, False) if self.pace else (True,):  # paced: requests that fit whole first, then chunks
             for seq, m, due in order:
@@ -105,7 +106,7 @@ class Scheduler:
                 if seq.status is not Status.WAITING or self._waits_for_inflight(seq, m) or \
                         not shares.allow(seq, budget):
                     continue
-                need = self._paced(seq, len(m), step, slack, due, now, whole)
+                need = self._paced(seq, len(m), step, batch, slack, due, now, whole)
                 if need == 0:
                     continue
                 if self.num_slots + 1 + len(seq.forks) > self.max_num_seqs or not self.blocks.admit(seq, m):
@@ -119,6 +120,7 @@ class Scheduler:
                 budget -= n
                 shares.take(seq, n)
                 step += Work.chunk(seq.num_computed, n)
+                batch += Work(1, len(seq.tokens))
         for seq in self.waiting:
             seq.skipped += 1
         if shares.cap is not None:
@@ -301,13 +303,18 @@ class Scheduler:
             lo, hi = (mid, hi) if self.pace.cost.seconds(step + Work.chunk(context, mid)) <= slack else (lo, mid)
         return lo
 
-    def _paced(self, seq: Sequence, cached: int, step: Work, slack: float, due: bool, now: float, whole: bool) -> int:
-        """How many of a waiting request's prompt tokens this step may compute (0: it waits), by the objectives. First
-        (`whole`): all of them, if they fit the slack, or it is due, or waiting longer would make it miss its first
-        token's deadline. Then, from what slack is left: a chunk, if a block's worth fits."""
+    def _paced(self, seq: Sequence, cached: int, step: Work, batch: Work, slack: float, due: bool, now: float,
+               whole: bool) -> int:
+        """How many of a waiting request's prompt tokens this step may compute (0: it waits), by the objectives. None
+        while one more sequence decoding would make every step longer than the TPOT objective. First (`whole`): all
+        of them, if they fit the step's slack, or waiting longer would make it miss its first token's deadline. Then,
+        from what slack is left: a chunk, if a block's worth fits. A due request goes whole, whatever the pace."""
         need = self._need(seq, cached)
-        if not self.pace or due or self.pace.cost.seconds(step + need) <= slack or \
-                self.pace.urgent(seq, need, step, now):
+        if not self.pace or due:
+            return need.rows if whole else 0
+        if not self.pace.room(batch, len(seq.tokens)):
+            return 0
+        if self.pace.cost.seconds(step + need) <= slack or self.pace.urgent(seq, need, step, now):
             return need.rows if whole else 0
         if whole:
             return 0

@@ -115,3 +115,10 @@ def test_the_step_cost_is_learned_from_the_steps_seen():
         cost.record(work, 0.004 + 0.002 * work.rows + 3e-8 * work.keys)
     assert cost.coef == pytest.approx([0.004, 0.002, 3e-8], rel=0.05)
     assert cost.seconds(Work(10, 1000)) == pytest.approx(0.004 + 0.02 + 3e-5, rel=0.05)
+
+
+def test_no_request_joins_while_one_more_decode_would_make_every_step_miss_tpot(tiny_model):
+    llm = decoding(tiny_model, 0.5, slo_tpot_ms=100, slo_ttft_ms=1000)
+    llm.engine.cost.coef = np.array([0.01, 0.04, 0.0])  # 40 ms a row: two decodes take 90 ms, three 130
+    small = waiting(llm, 11, 5, NOW)  # its prefill fits the 500 ms of slack: 10 ms + 7 rows
+    assert small.id not in dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))
