@@ -106,7 +106,7 @@ class Engine:
                                        self.max_model_len)
         self.cache = CacheAdmin(self.blocks, self.scheduler, self.speculation.drafter, self.grammars, self.scope)
         self.prompt_tokens_computed = 0  # prompt tokens prefilled (a cache hit skips them, n samples share them)
-        self.step_tokens = {"prefill": 0, "decode": 0}  # tokens computed in steps, by kind (a draft is decode)
+        self.step_tokens = {"prefill": 0, "decode": 0}  # tokens computed in steps: of prompts, of outputs and drafts
         self.ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
         self.lane_open = False  # a step is under way and no lane step has run inside it
 
@@ -156,7 +156,9 @@ class Engine:
         work, started = Work(), time.monotonic()
         for seq, n in plan:
             work += Work.chunk(seq.num_computed, n)
-            self.step_tokens["decode" if seq.num_uncomputed <= 1 + len(drafts.get(seq.id, ())) else "prefill"] += n
+            prompt = max(0, min(seq.num_computed + n, seq.num_prompt) - seq.num_computed)
+            self.step_tokens["prefill"] += prompt
+            self.step_tokens["decode"] += n - prompt
         try:
             logits, prompt_hidden = self.runner.run(plan, set(drafts), between)
         except Exception as e:

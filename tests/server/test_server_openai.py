@@ -185,7 +185,11 @@ def test_metrics_move(srv):
     assert moved("vllm:prefix_cache_queries_total") == 2 * first.usage.prompt_tokens
     assert moved("vllm:prefix_cache_hits_total") == second.usage.prompt_tokens_details.cached_tokens > 0
     assert moved("vllm:e2e_request_latency_seconds_count") == 2
-    assert moved("vllm:time_to_first_token_seconds_count") == 2
+    assert moved("vllm:time_to_first_token_seconds_count") == 2 == moved("vllm:request_queue_time_seconds_count")
+    assert moved("prefixcache:step_tokens_total", kind="prefill") == \
+        2 * first.usage.prompt_tokens - second.usage.prompt_tokens_details.cached_tokens
+    assert moved("prefixcache:step_tokens_total", kind="decode") == \
+        first.usage.completion_tokens + second.usage.completion_tokens - 2  # each first token ends a prefill
     assert moved("vllm:inter_token_latency_seconds_count") == \
         first.usage.completion_tokens + second.usage.completion_tokens - 2
     finished = sum(moved("vllm:request_success_total", finished_reason=r) for r in ("stop", "length"))
