@@ -307,14 +307,14 @@ class Scheduler:
                whole: bool) -> int:
         """How many of a waiting request's prompt tokens this step may compute (0: it waits), by the objectives. None
         while one more sequence decoding would make every step longer than the TPOT objective. First (`whole`): all
-        of them, if they fit the step's slack, or waiting longer would make it miss its first token's deadline. Then,
-        from what slack is left: a chunk, if a block's worth fits. A due request goes whole, whatever the pace."""
+        of them, if they fit the step's slack, or it is due, or waiting longer would make it miss its first token's
+        deadline. Then, from what slack is left: a chunk, if a block's worth fits."""
         need = self._need(seq, cached)
-        if not self.pace or due:
+        if not self.pace:
             return need.rows if whole else 0
         if not self.pace.room(batch, len(seq.tokens)):
             return 0
-        if self.pace.cost.seconds(step + need) <= slack or self.pace.urgent(seq, need, step, now):
+        if due or self.pace.cost.seconds(step + need) <= slack or self.pace.urgent(seq, need, step, now):
             return need.rows if whole else 0
         if whole:
             return 0
