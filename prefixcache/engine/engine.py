@@ -85,7 +85,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps,
                                    config.shared_chunk)
         ops, status = choose_ops(config, c.head_dim)
-        model = Llama(weights, config.attn_tile, ops)
+        model = Llama(weights, config.attn_tile, ops, self.max_model_len)
         self.exactness = model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs,
                                              status)
         # cached KV is reused only by the same weights under the same arithmetic (a disk or Redis tier may hold KV

@@ -28,7 +28,7 @@ def paged_targets(model, n_rows: int, gen: torch.Generator) -> list[tuple[str, s
     heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
     slots = -(-n_rows // BLOCK) * BLOCK
     qkv = torch.randn(n_rows, (heads + 2 * kv) * d, generator=gen)
-    at = torch.randint(0, c.max_position, (n_rows,), generator=gen)
+    at = torch.randint(0, len(model.cos), (n_rows,), generator=gen)
 
     def rope_store(lo: int, hi: int, size: int) -> torch.Tensor:
         k_pool, v_pool = torch.zeros(slots, kv, d), torch.zeros(slots, kv, d)
