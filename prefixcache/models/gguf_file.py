@@ -142,14 +142,14 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def read_tokenizer(path: str, digest: str = ""):
-    """The file's tokenizer, built once by transformers and kept in the user cache under the file's digest; with
+    """The file's tokenizer, converted once by transformers and kept in the user cache under the file's digest; with
     its family's chat template where the file has none."""
     from transformers import AutoTokenizer
 
     digest = digest or file_digest(path)
     folder = os.path.join(cache_home(), "tokenizers", f"{os.path.basename(path).removesuffix('.gguf')}-{digest}")
     if os.path.exists(os.path.join(folder, "tokenizer_config.json")):
-        return AutoTokenizer.from_pretrained(folder)
+        return _kept_tokenizer(folder)
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
     if not tokenizer.chat_template:
         tokenizer.chat_template = by_gguf_arch(_index(path, digest)[0]["general.architecture"]).chat_template or None
@@ -159,4 +159,18 @@ def read_tokenizer(path: str, digest: str = ""):
         os.replace(tmp, folder)
     except OSError:  # another process kept it first
         shutil.rmtree(tmp)
-    return tokenizer
+    return _kept_tokenizer(folder)
+
+
+def _kept_tokenizer(folder: str):
+    """The tokenizer save_pretrained kept in `folder`: its tokenizer.json read by the tokenizers library, not rebuilt
+    from its vocabulary by the model's tokenizer class in Python (for Gemma's 262k tokens, 4.8 s to 1.5 s)."""
+    from transformers import PreTrainedTokenizerFast
+
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    template = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(template):
+        with open(template) as f:
+            config["chat_template"] = f.read()
+    return PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"), **config)

@@ -1,7 +1,7 @@
 """What the startup probe (models/probe.py) checks of our kernels beside the row-wise ops' row counts (mode
 "kernel"): RoPE with the KV store, and paged attention with each window the model uses, at every row count; paged
-attention rows equal whatever their batch, items and block placement; every op agrees with float64; and, at every
-start, that each weight read as shipped (models/quant.py) gives the bits of its dequantized values."""
+attention rows equal whatever their batch, items and block placement; every op agrees with float64; and, for every
+file and library, that each weight read as shipped (models/quant.py) gives the bits of its dequantized values."""
 import torch
 import torch.nn.functional as F
 
@@ -28,7 +28,7 @@ def paged_targets(model, n_rows: int, gen: torch.Generator) -> list[tuple[str, s
     heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
     slots = -(-n_rows // BLOCK) * BLOCK
     qkv = torch.randn(n_rows, (heads + 2 * kv) * d, generator=gen)
-    at = torch.randint(0, c.max_position, (n_rows,), generator=gen)
+    at = torch.randint(0, len(model.cos), (n_rows,), generator=gen)
 
     def rope_store(lo: int, hi: int, size: int) -> torch.Tensor:
         k_pool, v_pool = torch.zeros(slots, kv, d), torch.zeros(slots, kv, d)
@@ -62,7 +62,8 @@ def shipped(model, gen: torch.Generator) -> list[str]:
     """The weights whose blocks as shipped do not give their dequantized values' bits: random rows through each
     weight read as shipped, in every layer, at 1 row (dequantized in registers) and past ops.quant_rows (into
     scratch), against the same weight dequantized (gguf's reference) into fp32 panels, one weight at a time (the row
-    counts' check is of the first layer; this is of each weight's own data, so it is never cached)."""
+    counts' check is of the first layer; this is of each weight's own data, so its verdict is kept under those bytes:
+    models/probe.py)."""
     bad, ops = [], model.ops
     for name, w in model.gemm_weights().items():
         if w.kinds:

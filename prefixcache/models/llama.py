@@ -31,7 +31,8 @@ class Batch:
 
 
 class Llama:
-    def __init__(self, weights: Weights, tile: int, ops: TorchOps | KernelOps):
+    def __init__(self, weights: Weights, tile: int, ops: TorchOps | KernelOps, max_len: int = 0):
+        """`max_len`: the positions a sequence may reach (the engine's max_model_len; 0: the model's context)."""
         c = self.config = weights.config
         w = weights.tensors  # a quantized weight as the file ships it (Blocks)
         self.tile = tile
@@ -60,9 +61,10 @@ class Llama:
                 self.layers[-1].update(ln2=w[p + "pre_feedforward_layernorm.weight"],
                                        post_attn=w[p + "post_attention_layernorm.weight"],
                                        post_ffn=w[p + "post_feedforward_layernorm.weight"])
-        self.cos, self.sin = rope.tables(c.rope, c.head_dim, c.max_position, self.norm.dtype)
+        positions = max_len or c.max_position  # a row's values do not depend on the table's length
+        self.cos, self.sin = rope.tables(c.rope, c.head_dim, positions, self.norm.dtype)
         if c.local_rope:
-            self.local_cos, self.local_sin = rope.tables(c.local_rope, c.head_dim, c.max_position, self.norm.dtype)
+            self.local_cos, self.local_sin = rope.tables(c.local_rope, c.head_dim, positions, self.norm.dtype)
         self.local_layers = frozenset(c.local_layers)
         self.attn_scale = c.attn_scale or c.head_dim ** -0.5
         self.exact: Exactness = rows_plan("", "until the engine sets the probed plan")

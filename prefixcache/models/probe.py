@@ -9,9 +9,11 @@ LM head's each up to the sequences a step holds), attention rows equal whatever
 their batch, items and block placement, and each op agrees with a float64 reference (models/kernel_check.py). A
 kernel that fails any of this is dropped for the torch path, which is probed, and the status names the op. Results
 are cached per CPU, flags, library versions (our kernels' by the built library's bytes), threads, shapes and the
-source of the ops and probe, under $PREFIXCACHE_HOME/exactness.
+source of the ops and probe, under $PREFIXCACHE_HOME/exactness. The check of each weight read as shipped is kept
+under the bytes the kernels read and the library reading them, under $PREFIXCACHE_HOME/shipped.
 """
 import hashlib
+import importlib.metadata
 import inspect
 import json
 import logging
@@ -21,11 +23,13 @@ import time
 from dataclasses import asdict
 from typing import Callable
 
+import numpy as np
 import torch
+import xxhash
 
 from prefixcache import kernels
 from prefixcache.config import MODES, cache_home
-from prefixcache.models import attention, exactness, kernel_check, paged
+from prefixcache.models import attention, exactness, kernel_check, layouts, paged, quant, rowwise
 from prefixcache.models.attention import Queries
 from prefixcache.models.cpu import cpu_info
 from prefixcache.models.exactness import (
@@ -72,7 +76,7 @@ def _shipped_reads(model) -> str:
     values' bits; a weight whose blocks do not is read as fp32 panels from then on, and the log says so."""
     if not any(w.kinds for w in model.gemm_weights().values()):
         return ""
-    bad = kernel_check.shipped(model, torch.Generator().manual_seed(3))
+    bad = _shipped_verdict(model)
     if bad:
         model.drop_shipped(bad)
         log.warning("prefixcache kernels: weights as shipped differ from their dequantized values (%s): read as fp32",
@@ -86,24 +90,47 @@ def _shipped_reads(model) -> str:
             + (f"; as fp32, for their blocks differ from their values: {', '.join(bad[:3])}" if bad else ""))
 
 
+def _shipped_verdict(model) -> list[str]:
+    """kernel_check.shipped(model), or its verdict kept for the same weights' bytes read by the same library on the
+    same CPU, under $PREFIXCACHE_HOME/shipped: a new file, layout or library is checked again."""
+    path = os.path.join(cache_home(), "shipped", _shipped_key(model) + ".json")
+    bad = _read(path)
+    if bad is None:
+        bad = kernel_check.shipped(model, torch.Generator().manual_seed(3))
+        _keep(path, bad)
+    return bad
+
+
+def _shipped_key(model) -> str:
+    """What decides the shipped check's verdict: every GEMM weight's bytes as the kernels read them, the library's
+    bytes and ISA, the CPU, gguf's reference and the code that checks."""
+    code = _sources(__name__, kernel_check.__name__, layouts.__name__, quant.__name__, rowwise.__name__)
+    what = [kernels.loaded().sha256, model.ops.name, asdict(cpu_info()), importlib.metadata.version("gguf"),
+            np.__version__, code]
+    h = xxhash.xxh3_128(json.dumps(what).encode())
+    for name, w in model.gemm_weights().items():
+        h.update(json.dumps([name, w.ids, w.rows, w.k]).encode())
+        for data in w.data:
+            h.update(data.contiguous().numpy())
+    return h.hexdigest()
+
+
 def _cached(model, mode: str, max_rows: int, max_head_rows: int, find: Callable[..., Exactness]) -> Exactness:
     """find(model, mode, max_rows, max_head_rows, cpu), or its result cached for the same CPU, code and shapes."""
     cpu = cpu_info()
     ops, dtype = model.row_ops(), model.norm.dtype
     max_rows = max(max_rows, PAD_LIMIT)  # probe the pad regime whatever the batch limit
     env = {k: v for k, v in os.environ.items() if k.startswith(("MKL_", "OMP_", "KMP_", "ONEDNN_", "DNNL_", "ATEN_"))}
-    code = "".join(inspect.getsource(sys.modules[m]) for m in (__name__, exactness.__name__, type(model).__module__,
-                                                                attention.__name__, paged.__name__,
-                                                                kernel_check.__name__, type(model.ops).__module__))
+    code = _sources(__name__, exactness.__name__, type(model).__module__, attention.__name__, paged.__name__,
+                    kernel_check.__name__, type(model.ops).__module__)
     code += kernels.loaded().sha256 if model.paged else ""  # the library's own bytes, not only its sources
     key = json.dumps([code, mode, model.ops.name, asdict(cpu), env, str(dtype), max_rows, max_head_rows,
                       [(o.name, o.shape) for o in ops], [model.config.num_kv_heads, model.config.head_dim, model.tile]])
     path = os.path.join(cache_home(), "exactness", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
     try:
-        with open(path) as f:
-            d = json.load(f)
-        return Exactness(**{**d, "ops": [OpClasses(**o) for o in d["ops"]], "cached": True})
-    except (OSError, ValueError, TypeError):
+        if (d := _read(path)) is not None:
+            return Exactness(**{**d, "ops": [OpClasses(**o) for o in d["ops"]], "cached": True})
+    except (ValueError, TypeError):
         pass
     t0 = time.perf_counter()
     try:
@@ -114,14 +141,32 @@ def _cached(model, mode: str, max_rows: int, max_head_rows: int, find: Callable[
     plan.probe_seconds = round(time.perf_counter() - t0, 3)
     if mode != plan.mode and not (mode == "auto" and plan.mode == "pad"):
         log.warning("exactness: %s asked, %s chosen: %s", mode, plan.mode, plan.note)
+    _keep(path, asdict(plan))
+    return plan
+
+
+def _sources(*modules: str) -> str:
+    return "".join(inspect.getsource(sys.modules[m]) for m in modules)
+
+
+def _read(path: str):
+    """The value kept at `path`, or None."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _keep(path: str, value) -> None:
+    """`value` as JSON at `path`, whole or not at all (a start that cannot write it runs the check again)."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(f"{path}.tmp{os.getpid()}", "w") as f:
-            json.dump(asdict(plan), f)
+            json.dump(value, f)
         os.replace(f"{path}.tmp{os.getpid()}", path)
     except OSError as e:
-        log.info("exactness: could not cache the probe at %s: %s", path, e)
-    return plan
+        log.info("could not keep %s: %s", path, e)
 
 
 def _search(model, mode: str, max_rows: int, max_head_rows: int, cpu: str) -> Exactness:

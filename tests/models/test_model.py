@@ -1,5 +1,6 @@
 """The forward pass: logits match HF transformers, and are bit-identical however a prompt is chunked or cached,
 also across attention tiles (prompts longer than one 512-key tile) and in every exactness mode."""
+import dataclasses
 import random
 
 import pytest
@@ -9,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.bench.workloads import system_prompt
+from prefixcache.models import rope
 from prefixcache.models.catalog import default_model_path
 from prefixcache.models.loader import converted_folder
 
@@ -146,3 +148,34 @@ def test_suffix_on_prefix_equals_full_prefill_real_model(real):
     assert b_out[0].cached_tokens == 200  # 12 full blocks, then 8 tokens copied from the 13th
     assert a_out[0].token_ids == b_out[0].token_ids
     assert torch.equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_rope_rows_do_not_depend_on_the_tables_length(threads):
+    """The engine's RoPE tables end at its max_model_len: each row has the bits of the model's full table's."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for r in (rope.Rope(1e6), rope.Rope(5e5, "llama3", 32.0, 1.0, 4.0, 8192), rope.Rope(1e4, "linear", 8.0)):
+            for head_dim in (64, 80, 256):
+                full = rope.tables(r, head_dim, 32768, torch.float32)
+                for n in (1, 7, 100, 2049, 8192):
+                    part = rope.tables(r, head_dim, n, torch.float32)
+                    assert all(torch.equal(p, f[:n]) for p, f in zip(part, full)), (r, head_dim, n)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_sequences_run_to_the_end_of_a_short_window_as_under_the_models_context(tiny_model):
+    """With max_model_len 64 the tables hold 64 positions; prompts and drafts (prompt lookup on a repetitive prompt)
+    run to the window's end with the tokens and logits of an engine holding the model's 2,048."""
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    short = LLM(model=tiny_model, max_model_len=64, speculative="prompt")
+    assert len(short.engine.runner.model.cos) == 64
+    full = LLM(model=tiny_model, speculative="prompt")
+    prompts = [[5, 6, 7, 8] * 10, list(range(100, 163)), [9] * 20]
+    s_out, s = generate_with_logits(short, prompts, params)
+    assert [len(p) + len(o.token_ids) for p, o in zip(prompts, s_out)] == [64] * 3
+    for prompt, out, logits in zip(prompts, s_out, s):
+        f_out, f = generate_with_logits(full, [prompt], dataclasses.replace(params, max_tokens=len(out.token_ids)))
+        assert f_out[0].token_ids == out.token_ids and torch.equal(f[0], logits)

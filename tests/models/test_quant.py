@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import GREEDY
 
 from prefixcache import LLM, kernels
-from prefixcache.models import layouts, probe, quant
+from prefixcache.models import kernel_check, layouts, probe, quant
 from prefixcache.models.layouts import LAID_OUT, lay_out
 from prefixcache.models.quant import KINDS, Blocks, dequantize, embedding
 from prefixcache.models.rowwise import KernelOps, Part, TorchOps
@@ -217,3 +217,26 @@ def test_weights_whose_blocks_differ_from_their_values_are_read_as_fp32(monkeypa
     prompt = [[1, 2, 3, 4]]
     plain = LLM(enable_prefix_cache=False)
     assert llm.generate(prompt, GREEDY)[0].token_ids == plain.generate(prompt, GREEDY)[0].token_ids
+
+
+@needs_kernels
+def test_the_shipped_check_runs_again_for_other_weights_bytes_or_another_library(monkeypatch, tmp_path):
+    """The start-up check of the weights read as shipped runs once for a file's bytes and a library: its verdict is
+    kept for the next start, but a weight's bytes changed by a bit (another file) or a library rebuilt from the same
+    sources (another compiler, other flags) is checked again."""
+    model = LLM(enable_prefix_cache=False).engine.runner.model
+    monkeypatch.setenv("PREFIXCACHE_HOME", str(tmp_path))
+    checks = []
+    monkeypatch.setattr(kernel_check, "shipped", lambda m, gen: checks.append(m) or ["down of layer 17"])
+    assert probe._shipped_verdict(model) == probe._shipped_verdict(model) == ["down of layer 17"]
+    assert len(checks) == 1
+    data = model.layers[16]["down"].parts[0].data
+    data[3, 5, 100] ^= 1
+    assert probe._shipped_verdict(model) == ["down of layer 17"] and len(checks) == 2
+    data[3, 5, 100] ^= 1
+    real = kernels.loaded()
+    monkeypatch.setattr(kernels, "loaded", lambda: dataclasses.replace(real, sha256="0" * 64))
+    assert probe._shipped_verdict(model) == ["down of layer 17"] and len(checks) == 3
+    monkeypatch.setattr(kernels, "loaded", lambda: real)
+    probe._shipped_verdict(model)
+    assert len(checks) == 3
