@@ -1,13 +1,14 @@
 """Steps sized against the latency objectives (`--slo-ttft-ms`, `--slo-tpot-ms`), on a clock passed in.
 
-A running sequence with n output tokens meets its TPOT objective if its next token comes by first + tpot * n, so a
-step may take until the earliest such deadline of the sequences it decodes: the prefill it carries beside the
-decodes is what fits in that slack, by the step's predicted cost (engine/step_cost.py). A request joins the running
-ones only while a step decoding them all stays within the TPOT objective. A waiting request meets its
-TTFT objective if its prompt's uncached part is computed by arrival + ttft: it is *hopeless* once even a step of its
-own now would end after that, and *urgent* once waiting one more step would; an urgent request is admitted though
-its prefill overruns the step's slack (the decodes' TPOT is an average over their answers, and a longer step now
-can be made up; a missed first token cannot), a hopeless one goes behind the others of its tenant.
+A running sequence that may write m tokens meets its TPOT objective if its last comes by first + tpot * (m - 1). If
+the steps after this one take what a decode step takes, this step may take what is left of that: the prefill it
+carries beside the decodes is what fits in the least such slack, by the step's predicted cost (engine/step_cost.py).
+A request joins the running ones only while a step decoding them all stays within the TPOT objective.
+
+A waiting request meets its TTFT objective if its prompt's uncached part is computed by arrival + ttft: it is
+*hopeless* once even a step of its own now would end after that, and *urgent* once waiting one more step would. An
+urgent request is admitted though its prefill overruns the step's slack (a longer step now can be made up by the
+decodes' later steps; a missed first token cannot); a hopeless one goes behind the others of its tenant.
 """
 import math
 
@@ -19,12 +20,18 @@ class Pace:
     def __init__(self, ttft: float | None, tpot: float | None, cost: StepCost):
         self.ttft, self.tpot, self.cost = ttft, tpot, cost
 
-    def slack(self, running: list[Sequence], now: float) -> float:
-        """Seconds the next step may take before a sequence it decodes misses its TPOT objective (inf: none could)."""
+    def slack(self, running: list[Sequence], decode: float, now: float) -> float:
+        """Seconds the next step may take so that every sequence it decodes can still meet its TPOT objective over its
+        whole answer, if each step after it takes `decode` seconds (inf: no objective, or none decoding)."""
         if self.tpot is None:
             return math.inf
-        due = [s.first_token_time + self.tpot * len(s.output_ids) for s in running if s.first_token_time is not None]
-        return min(due, default=math.inf) - now
+        out = []
+        for s in running:
+            if s.first_token_time is not None:
+                total = s.params.max_tokens  # its answer's length at most: a TPOT is over the whole answer
+                out.append(s.first_token_time + self.tpot * (total - 1) - now - decode * (total - len(s.output_ids)
+                                                                                          - 1))
+        return min(out, default=math.inf)
 
     def room(self, batch: Work, tokens: int) -> bool:
         """A sequence of this many tokens may join `batch` (the running ones, decoding): the step decoding them all

@@ -76,7 +76,8 @@ class Scheduler:
         plan: list[tuple[Sequence, int]] = []
         self._rebalance()
         shares = self._prefill_shares()
-        slack = self.pace.slack(self.running, now) if self.pace else math.inf
+        batch = Work(len(self.running), sum(len(s.tokens) for s in self.running))  # a step decoding every one
+        slack = self.pace.slack(self.running, self.pace.cost.seconds(batch), now) if self.pace else math.inf
         step = Work(len([s for s in self.running if s.num_uncomputed == 1]), 0)  # the decodes' rows, then what joins
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
             if seq.status is not Status.RUNNING or budget == 0:
@@ -97,7 +98,7 @@ class Scheduler:
                 shares.take(seq, n)
                 step += Work.chunk(seq.num_computed, n) if n > 1 else Work(0, seq.num_computed + 1)
         plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
-        batch = Work(len(self.running), sum(len(s.tokens) for s in self.running))  # a step decoding every one
+        batch = Work(len(self.running), sum(len(s.tokens) for s in self.running))  # as the running ones are now
         order, blocked = self._admission_order(now), False
         for whole in (True, False) if self.pace else (True,):  # paced: requests that fit whole first, then chunks
             for seq, m, due in order:

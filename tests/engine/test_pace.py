@@ -28,12 +28,17 @@ def decoding(tiny_model, slack: float = 0.05, **objectives) -> LLM:
     return llm
 
 
-def due_at(llm: LLM, t: float) -> None:
-    """The running sequences' next tokens due at t (TPOT 100 ms), and the step cost set by hand."""
-    for seq in llm.engine.scheduler.running:
+def due_at(llm: LLM, t: float, per_row: float = 0.001) -> None:
+    """The step cost set by hand (10 ms a step, `per_row` a row), and the running sequences' first tokens set so
+    that, if every step after the next took what a decode step takes, the next may end by t and each still meet a
+    TPOT of 100 ms over its answer."""
+    e = llm.engine
+    e.cost.coef = np.array([0.01, per_row, 0.0])
+    decode = e.cost.seconds(Work(len(e.scheduler.running), 0))
+    for seq in e.scheduler.running:
         assert seq.output_ids
-        seq.first_token_time = t - 0.1 * len(seq.output_ids)
-    llm.engine.cost.coef = np.array([0.01, 0.001, 0.0])
+        left = seq.params.max_tokens - len(seq.output_ids)
+        seq.first_token_time = t - 0.1 * (seq.params.max_tokens - 1) + decode * (left - 1)
 
 
 def waiting(llm: LLM, i: int, n: int, arrival: float, tokens: list[int] | None = None):
@@ -119,6 +124,6 @@ def test_the_step_cost_is_learned_from_the_steps_seen():
 
 def test_no_request_joins_while_one_more_decode_would_make_every_step_miss_tpot(tiny_model):
     llm = decoding(tiny_model, 0.5, slo_tpot_ms=100, slo_ttft_ms=1000)
-    llm.engine.cost.coef = np.array([0.01, 0.04, 0.0])  # 40 ms a row: two decodes take 90 ms, three 130
+    due_at(llm, NOW + 10, per_row=0.04)  # 40 ms a row: two decodes take 90 ms, three 130; slack for anything
     small = waiting(llm, 11, 5, NOW)  # its prefill fits the 500 ms of slack: 10 ms + 7 rows
     assert small.id not in dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))
