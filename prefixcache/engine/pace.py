@@ -25,13 +25,12 @@ class Pace:
         whole answer, if each step after it takes `decode` seconds (inf: no objective, or none decoding)."""
         if self.tpot is None:
             return math.inf
-        out = []
-        for s in running:
-            if s.first_token_time is not None:
-                total = s.params.max_tokens  # its answer's length at most: a TPOT is over the whole answer
-                out.append(s.first_token_time + self.tpot * (total - 1) - now - decode * (total - len(s.output_ids)
-                                                                                          - 1))
-        return min(out, default=math.inf)
+        # an answer's last token, at most max_tokens in, is due at first + tpot * (max_tokens - 1), and the steps
+        # after this one write its tokens between this one's and the last
+        due = [s.first_token_time + self.tpot * (s.params.max_tokens - 1)
+               - decode * (s.params.max_tokens - len(s.output_ids) - 1)
+               for s in running if s.first_token_time is not None]
+        return min(due, default=math.inf) - now
 
     def room(self, batch: Work, tokens: int) -> bool:
         """A sequence of this many tokens may join `batch` (the running ones, decoding): the step decoding them all
