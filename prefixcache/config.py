@@ -47,11 +47,12 @@ class Config:
     # step under way (Engine.lane_step). Small values keep other tenants' first tokens fast, at the cost of the
     # long prompts' throughput
     fairness_steps: int = 32  # a waiting request is admitted first once it has been passed over this often
-    slo_ttft_ms: float | None = None  # a time-to-first-token objective: a waiting request is admitted before it
-    # would miss it, one that will miss it anyway waits behind its tenant's others (engine/pace.py); /metrics counts
-    # the requests that met and missed it
+    slo_ttft_ms: float | None = None  # a time-to-first-token objective: /metrics counts the requests that met and
+    # missed it; with slo_schedule, a waiting request is admitted before it would miss it
     slo_tpot_ms: float | None = None  # a time-per-output-token objective (after the first, as vLLM's benchmark
-    # computes it): a step takes the prefill that fits the slack of the sequences it decodes; counted on /metrics too
+    # computes it), counted the same way; with slo_schedule, a step takes the prefill its decodes' slack allows
+    slo_schedule: bool = False  # size each step against the objectives (engine/pace.py) instead of by
+    # max_batch_tokens alone; off by default: it has measured no better yet (bench/results/goodput.md)
     speculative: str = "off"  # draft tokens from: off | prompt (lookup in the request) | answers (the scope's
     # recent outputs) | both; every draft is verified, so greedy output is bit-identical (engine/drafter.py)
     num_speculative_tokens: int = 8  # the longest draft, up to 16; each request's shrinks with its acceptance
@@ -82,6 +83,9 @@ class Config:
             ms = getattr(self, name)
             if ms is not None and not 0 < ms < float("inf"):
                 raise ValueError(f"{name}={ms} (--{name.replace('_', '-')}): milliseconds must be a positive number")
+        if self.slo_schedule and self.slo_ttft_ms is None and self.slo_tpot_ms is None:
+            raise ValueError("slo_schedule (--slo-schedule) schedules against objectives: give --slo-ttft-ms or "
+                             "--slo-tpot-ms")
         if (self.disk_cache or self.redis_url) and not self.enable_prefix_cache:
             raise ValueError("disk_cache and redis_url are tiers of the prefix cache: enable it")
 

@@ -96,9 +96,8 @@ class Engine:
             self.events = open_events(config.kv_events_config, config.block_size, self.blocks.owner)
             self.blocks.listen(self.events)
         self.cost = StepCost()
-        paced = config.slo_ttft_ms is not None or config.slo_tpot_ms is not None
         pace = Pace(config.slo_ttft_ms and config.slo_ttft_ms / 1000, config.slo_tpot_ms and config.slo_tpot_ms / 1000,
-                    self.cost) if paced else None
+                    self.cost) if config.slo_schedule else None
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps,
                                    config.shared_chunk, pace)
         ops, status = choose_ops(config, c.head_dim)

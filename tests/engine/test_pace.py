@@ -17,10 +17,10 @@ def prompt(i: int, n: int) -> list[int]:
     return [100 + i] + list(range(3000, 3000 + n - 1))
 
 
-def decoding(tiny_model, slack: float = 0.05, **objectives) -> LLM:
+def decoding(tiny_model, slack: float = 0.05, schedule: bool = True, **objectives) -> LLM:
     """An engine with two sequences decoding whose next tokens are due `slack` after NOW under a TPOT objective of
     100 ms, and the step cost set by hand."""
-    llm = LLM(model=tiny_model, **objectives)
+    llm = LLM(model=tiny_model, slo_schedule=schedule, **objectives)
     for i in range(2):
         llm.engine.add_request(prompt(i, 20), LONG)
     llm.engine.step()
@@ -64,8 +64,8 @@ def test_a_waiting_request_goes_once_waiting_longer_would_miss_its_first_token(t
     assert plan[big.id] == 60  # though the decodes' next token is late: a first token missed is not made up
 
 
-def test_without_objectives_every_waiting_request_goes_as_before(tiny_model):
-    llm = decoding(tiny_model)
+def test_objectives_not_scheduled_by_only_count_every_waiting_request_goes_as_before(tiny_model):
+    llm = decoding(tiny_model, schedule=False, slo_tpot_ms=100, slo_ttft_ms=1000)
     big = waiting(llm, 11, 60, NOW)
     assert dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))[big.id] == 60
 
