@@ -77,7 +77,13 @@ class Sampler:
         if seq.params.temperature < GREEDY_BELOW:
             return int(torch.argmax(logits))
         self.generator.manual_seed(xxhash.xxh3_64_intdigest(f"{seq.seed}:{len(seq.tokens)}".encode()) >> 1)
-        return int(torch.multinomial(self._probs(logits, seq.params), 1, generator=self.generator))
+        # inverse CDF: one uniform draw against the running sum, in float64 so that a vocabulary's worth of small
+        # probabilities adds up exactly enough; a token of probability 0 adds no width and is never drawn.
+        # (torch.multinomial draws an exponential per token: 30x the time, per row and step)
+        cdf = torch.cumsum(self._probs(logits, seq.params), 0, dtype=torch.float64)
+        u = torch.rand(1, generator=self.generator, dtype=torch.float64)
+        token = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+        return token if token < len(cdf) else int(torch.searchsorted(cdf, cdf[-1]))  # u * sum rounded up to sum
 
     @staticmethod
     def _probs(logits: torch.Tensor, params) -> torch.Tensor:

@@ -52,6 +52,18 @@ def test_a_row_without_penalties_is_returned_untouched():
     assert Sampler([EOS]).penalize(logits, seq([0, 1], [3])) is logits
 
 
+def test_draws_follow_the_distribution_and_never_take_a_token_of_probability_zero():
+    logits = torch.tensor([1.0, float("-inf"), 0.0, 2.0, float("-inf"), -1.0])
+    p = torch.softmax(logits, dim=-1).tolist()
+    draws = 20_000
+    counts = [0] * len(p)
+    for seed in range(draws):
+        counts[Sampler([EOS]).pick(logits, seq([5], [], temperature=1.0, seed=seed))] += 1
+    assert counts[1] == counts[4] == 0
+    for k in (0, 2, 3, 5):  # within 5 standard deviations of the binomial count
+        assert abs(counts[k] - draws * p[k]) < 5 * math.sqrt(draws * p[k] * (1 - p[k])), (k, counts, p)
+
+
 def test_logprobs_are_of_the_raw_logits_before_biases_and_penalties():
     s = seq([5], [], temperature=0.0, logit_bias={4: 100}, logprobs=2)
     token, lp = Sampler([EOS]).sample(torch.tensor(LOGITS), s)

@@ -75,7 +75,7 @@ def test_seeded_sampled_output_is_the_same_with_and_without_drafts(tiny_model):
     counts = llm.engine.speculation.counts
     assert counts["drafts"] > 0 and counts["accepted_tokens"] > 0, counts
     assert outputs["off"] == outputs["prompt"]
-    assert len({tuple(o) for o in outputs["off"]}) > 4
+    assert len({tuple(o) for o in outputs["off"]}) > 2
 
 
 def test_a_request_whose_drafts_fail_stops_drafting(tiny_model):
