@@ -46,6 +46,8 @@ class Config:
     # with the least engine time lately (0: off); and a request needing at most this many tokens runs inside the
     # step under way (Engine.lane_step). Small values keep other tenants' first tokens fast, at the cost of the
     # long prompts' throughput
+    tenant_slowdown: float = 1.5  # while tenants share a step, the most it may take over each one's own part
+    # alone, unless that is less than an equal part of the rows each (engine/slowdown.py); 0: off
     fairness_steps: int = 32  # a waiting request is admitted first once it has been passed over this often
     slo_ttft_ms: float | None = None  # a time-to-first-token objective: /metrics counts the requests that met and
     # missed it; with slo_schedule, a waiting request is admitted before it would miss it
@@ -83,6 +85,9 @@ class Config:
             ms = getattr(self, name)
             if ms is not None and not 0 < ms < float("inf"):
                 raise ValueError(f"{name}={ms} (--{name.replace('_', '-')}): milliseconds must be a positive number")
+        if self.tenant_slowdown and not self.tenant_slowdown >= 1:
+            raise ValueError(f"tenant_slowdown={self.tenant_slowdown} (--tenant-slowdown): a factor of at least 1, "
+                             "or 0 for none")
         if self.slo_schedule and self.slo_ttft_ms is None and self.slo_tpot_ms is None:
             raise ValueError("slo_schedule (--slo-schedule) schedules against objectives: give --slo-ttft-ms or "
                              "--slo-tpot-ms")

@@ -2,6 +2,7 @@
 import ctypes
 import dataclasses
 import logging
+import math
 import os
 import socket
 import statistics
@@ -99,7 +100,7 @@ class Engine:
         pace = Pace(config.slo_ttft_ms and config.slo_ttft_ms / 1000, config.slo_tpot_ms and config.slo_tpot_ms / 1000,
                     self.cost) if config.slo_schedule else None
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps,
-                                   config.shared_chunk, pace)
+                                   config.shared_chunk, pace, self.cost, config.tenant_slowdown or math.inf)
         ops, status = choose_ops(config, c.head_dim)
         model = Llama(weights, config.attn_tile, ops, self.max_model_len)
         self.exactness = model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs,

@@ -20,7 +20,8 @@ from prefixcache.cache.shares import guarantees
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.pace import Pace
 from prefixcache.engine.sequence import Sequence, Status
-from prefixcache.engine.step_cost import Work
+from prefixcache.engine.slowdown import bounded
+from prefixcache.engine.step_cost import StepCost, Work
 
 USAGE_HALF_LIFE = 2.0  # seconds: how fast a tenant's engine use is forgotten (Scheduler.charge)
 NEXT_REQUEST = 0.1  # seconds a tenant still counts as having work after its last request finished: the gap of a
@@ -46,8 +47,12 @@ class PrefillShares:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int, fairness_steps: int,
-                 shared_chunk: int = 0, pace: Pace | None = None):
+                 shared_chunk: int = 0, pace: Pace | None = None, cost: StepCost | None = None,
+                 slowdown: float = math.inf):
         self.blocks = blocks
+        self.cost = cost or StepCost()
+        self.slowdown = slowdown  # the most a step may take over a tenant's own part (engine/slowdown.py)
+        self.steps = 0  # steps scheduled
         self.pace = pace  # None: no objectives, steps are sized by max_batch_tokens alone
         self.shared_chunk = shared_chunk  # 0: off
         self.usage: dict[str, float] = {}  # tenant -> tokens computed, halved every USAGE_HALF_LIFE (charge)
@@ -126,6 +131,10 @@ class Scheduler:
             seq.skipped += 1
         if shares.cap is not None:
             plan = self._first_token_lane(plan)
+        plan = bounded(plan, self.cost, self.shares, self.slowdown)
+        self.steps += 1
+        for seq, _ in plan:
+            seq.ran_at = self.steps
         return sorted(plan, key=lambda p: p[1] != 1)  # decode rows first, so they batch into one group
 
     def lane(self, budget: int) -> list[tuple[Sequence, int]]:

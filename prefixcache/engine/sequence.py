@@ -196,6 +196,7 @@ class Sequence:
         self.num_computed = 0  # tokens whose K/V are in the pool
         self.cache = CacheState()
         self.skipped = 0  # admission rounds this request was passed over
+        self.ran_at = 0  # the last scheduler step that computed it (0: none yet)
         self.finish_reason: str | None = None
         self.fault: Fault | None = None  # set when this sequence failed alone (finish_reason "abort")
         # the base of its random numbers: a token's draw depends only on it and the token's position

@@ -1,0 +1,90 @@
+"""The bound on how much one tenant's rows slow another's tokens (engine/slowdown.py): its decisions with a step cost
+set by hand (14 ms a step, 2 ms a row, nothing per key), so no test depends on the machine's speed, on sequences of
+the tiny model's size, and through the tiny model's engine, where the rows held back change no one's tokens."""
+import math
+
+import numpy as np
+
+from prefixcache import LLM, CacheScope, SamplingParams
+from prefixcache.engine.sequence import Sequence
+from prefixcache.engine.slowdown import bounded
+from prefixcache.engine.step_cost import StepCost, Work
+
+COEF = (0.014, 0.002, 0.0)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def cost(coef=COEF) -> StepCost:
+    c = StepCost()
+    c.coef = np.array(coef)
+    return c
+
+
+def decodes(tenant: str, k: int) -> list[tuple[Sequence, int]]:
+    """k sequences of a tenant's, each with 20 tokens computed and one to decode."""
+    plan = []
+    for _ in range(k):
+        seq = Sequence(list(range(100, 121)), GREEDY, CacheScope(tenant=tenant))
+        seq.num_computed = 20
+        plan.append((seq, 1))
+    return plan
+
+
+def tenants(plan) -> dict[str, int]:
+    rows: dict[str, int] = {}
+    for seq, n in plan:
+        rows[seq.scope.tenant] = rows.get(seq.scope.tenant, 0) + n
+    return rows
+
+
+def test_one_stream_beside_fifteen_is_slowed_by_at_most_the_bound():
+    plan = decodes("a", 15) + decodes("b", 1)
+    kept = bounded(plan, cost(), {}, 1.5)
+    # b alone: 16 ms; the bound 24 ms is five rows: b's and four of a's (a fifth would make 26 ms)
+    assert tenants(kept) == {"a": 4, "b": 1}
+    assert cost().seconds(Work(len(kept), 0)) <= 1.5 * cost().seconds(Work(1, 0)) < cost().seconds(Work(6, 0))
+
+
+def test_equal_parts_one_tenant_alone_and_no_bound_keep_every_row():
+    equal = decodes("a", 8) + decodes("b", 8)  # 30 ms against 46 ms: sharing equally costs what it costs
+    assert bounded(equal, cost(), {}, 1.5) == equal
+    alone = decodes("a", 16)
+    assert bounded(alone, cost(), {}, 1.5) == alone
+    hog = decodes("a", 15) + decodes("b", 1)
+    assert bounded(hog, cost(), {}, math.inf) == hog
+
+
+def test_an_equal_part_is_by_weight_and_a_tenant_keeps_a_row():
+    rows_cost = (0.001, 0.01, 0.0)  # rows cost nearly all of a step: the bound alone would leave b's row only
+    plan = decodes("a", 15) + decodes("b", 1)
+    assert tenants(bounded(plan, cost(rows_cost), {}, 1.5)) == {"a": 1, "b": 1}
+    assert tenants(bounded(plan, cost(rows_cost), {"a": 0.75}, 1.5)) == {"a": 3, "b": 1}  # b's weight is 0.25
+
+
+def test_held_rows_take_turns_and_change_no_tokens(tiny_model):
+    """Through the engine: tenant a's fifteen answers decode four a step while b's one decodes (b every step), all
+    of a's move on in turn, and every answer is the one it gets alone."""
+    llm = LLM(model=tiny_model, max_num_seqs=16)
+    engine = llm.engine
+    prompts = [[100 + i] + list(range(3000, 3019)) for i in range(16)]
+    a = [engine.add_request(p, GREEDY, CacheScope(tenant="a")) for p in prompts[:15]]
+    while any(not s.output_ids for s in a):
+        engine.step()
+    b = engine.add_request(prompts[15], GREEDY, CacheScope(tenant="b"))
+    while not b.output_ids:
+        engine.step()
+    turns = {s.id: 0 for s in a}
+    while b.finish_reason is None:
+        engine.cost.coef = np.array(COEF)
+        before = len(b.output_ids)
+        touched = {s.id for s in engine.step()}
+        assert len(b.output_ids) == before + 1
+        assert len(touched & set(turns)) == 4
+        for i in touched & set(turns):
+            turns[i] += 1
+    assert min(turns.values()) >= 2  # 11 steps of four rows among fifteen answers: each had two turns or three
+    while engine.has_unfinished():
+        engine.step()
+    alone = LLM(model=tiny_model, enable_prefix_cache=False)
+    for seq, p in zip(a + [b], prompts):
+        assert seq.output_ids == alone.generate([p], GREEDY)[0].token_ids
