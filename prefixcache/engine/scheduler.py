@@ -131,7 +131,7 @@ class Scheduler:
             seq.skipped += 1
         if shares.cap is not None:
             plan = self._first_token_lane(plan)
-        plan = bounded(plan, self.cost, self.shares, self.slowdown)
+        plan = bounded(plan, self.cost, self.shares, self.slowdown, self._tenants())
         self.steps += 1
         for seq, _ in plan:
             seq.ran_at = self.steps
@@ -250,14 +250,18 @@ class Scheduler:
         (running or waiting, or finished within NEXT_REQUEST), `shared_chunk` tokens for each, except the one with
         the least engine use lately (none on a tie); else none. A tenant that sends a small request now and then
         caps the others only while its request is in the engine and as long as it has had less than they."""
-        now = time.monotonic()
-        self.finished = {t: at for t, at in self.finished.items() if now - at < NEXT_REQUEST}
-        tenants = {s.scope.tenant for s in self.running} | {s.scope.tenant for s in self.waiting} | set(self.finished)
+        tenants = self._tenants()
         if not self.shared_chunk or len(tenants) < 2:
             return PrefillShares(None)
         least = sorted(tenants, key=lambda t: self.usage.get(t, 0.0))
         tie = self.usage.get(least[0], 0.0) == self.usage.get(least[1], 0.0)
         return PrefillShares(self.shared_chunk, None if tie else least[0])
+
+    def _tenants(self) -> set[str]:
+        """The tenants with work: running or waiting, or finished within NEXT_REQUEST."""
+        now = time.monotonic()
+        self.finished = {t: at for t, at in self.finished.items() if now - at < NEXT_REQUEST}
+        return {s.scope.tenant for s in self.running} | {s.scope.tenant for s in self.waiting} | set(self.finished)
 
     def _first_token_lane(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """While tenants share the engine: a step that gives a request its first token carries no prefill chunk

@@ -2,13 +2,15 @@
 
 Every sequence in a step waits for the whole step, and on a CPU a decode row costs a good part of one: a tenant
 streaming one answer beside another tenant's fifteen waits, per token, for sixteen rows, several times its step
-alone. So while tenants decode in one step, it may take at most `slowdown` times what it would with only one
-tenant's decode rows (beside the prompt chunks it carries), for each tenant, or, where that is longer, what it would
-if no tenant had more decode rows than that one (by weight, their cache shares): tenants sharing the machine equally
-pay what sharing costs, and rows beyond an equal part come only within the bound. A step over it loses decode rows of
-the tenant with the most by weight, the ones that ran most recently first (so that its sequences take turns), until
-it holds; a tenant keeps at least one. Prompt chunks are never held back here (`shared_chunk` bounds those), nor is
-a tenant alone in the engine. Costs are the step cost's predictions (engine/step_cost.py).
+alone. So while several tenants have work (engine/scheduler.py: running, waiting, or a request just finished, as a
+client sending one after another has), a step may take at most `slowdown` times what it would with only one
+tenant's decode rows (beside the prompt chunks it carries), for each of them, or, where that is longer, what it would
+if no tenant had more decode rows than that one (by weight, their cache shares): tenants sharing the machine
+equally pay what sharing costs, and rows beyond an equal part come only within the bound. A tenant with no decode
+row in the step still waits for it (for its next first token) and counts with none. A step over the bound loses
+decode rows of the tenant with the most by weight, the ones that ran most recently first (so that its sequences take
+turns), until it holds; a tenant keeps at least one. Prompt chunks are never held back here (`shared_chunk` bounds
+those), nor is a tenant alone in the engine. Costs are the step cost's predictions (engine/step_cost.py).
 """
 import math
 from collections import Counter
@@ -20,9 +22,10 @@ from prefixcache.engine.step_cost import StepCost, Work
 Plan = list[tuple[Sequence, int]]
 
 
-def bounded(plan: Plan, cost: StepCost, shares: dict[str, float], slowdown: float) -> Plan:
-    """The plan without the decode rows that would slow another tenant's tokens past the bound (see the module)."""
-    rows: dict[str, list[Sequence]] = {}  # decode rows by tenant, least recently run first: the last ones go first
+def bounded(plan: Plan, cost: StepCost, shares: dict[str, float], slowdown: float, tenants: set[str]) -> Plan:
+    """The plan without the decode rows that would slow another tenant's tokens past the bound (see the module), for
+    `tenants`, those with work."""
+    rows: dict[str, list[Sequence]] = {t: [] for t in tenants}  # decode rows by tenant, least recently run first
     for seq, _ in sorted(plan, key=lambda p: p[0].ran_at):
         if seq.num_uncomputed == 1:
             rows.setdefault(seq.scope.tenant, []).append(seq)
@@ -36,7 +39,7 @@ def bounded(plan: Plan, cost: StepCost, shares: dict[str, float], slowdown: floa
         bound = min(max(slowdown * cost.seconds(prompts + work[t]), cost.seconds(prompts + _equal(work, weight, t)))
                     for t in rows)
         heavy = max(rows, key=lambda t: len(rows[t]) / weight[t])
-        if step <= bound or len(rows[heavy]) == 1:
+        if step <= bound or len(rows[heavy]) <= 1:
             break
         rows[heavy].pop()
     kept = {seq.id for r in rows.values() for seq in r}

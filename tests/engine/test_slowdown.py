@@ -30,6 +30,11 @@ def decodes(tenant: str, k: int) -> list[tuple[Sequence, int]]:
     return plan
 
 
+def bound(plan, coef=COEF, shares=None, slowdown=1.5, others=()) -> list:
+    """bounded() for the plan's tenants and `others` with work but no row in it."""
+    return bounded(plan, cost(coef), shares or {}, slowdown, set(tenants(plan)) | set(others))
+
+
 def tenants(plan) -> dict[str, int]:
     rows: dict[str, int] = {}
     for seq, n in plan:
@@ -39,26 +44,42 @@ def tenants(plan) -> dict[str, int]:
 
 def test_one_stream_beside_fifteen_is_slowed_by_at_most_the_bound():
     plan = decodes("a", 15) + decodes("b", 1)
-    kept = bounded(plan, cost(), {}, 1.5)
+    kept = bound(plan)
     # b alone: 16 ms; the bound 24 ms is five rows: b's and four of a's (a fifth would make 26 ms)
     assert tenants(kept) == {"a": 4, "b": 1}
     assert cost().seconds(Work(len(kept), 0)) <= 1.5 * cost().seconds(Work(1, 0)) < cost().seconds(Work(6, 0))
 
 
+def test_a_prompt_waits_for_its_first_token_as_a_decode_row_waits_for_its_next():
+    """b's prompt of 6 tokens is computed in this step, beside a's fifteen decode rows."""
+    first = Sequence(list(range(200, 206)), GREEDY, CacheScope(tenant="b"))
+    plan = decodes("a", 15) + [(first, 6)]
+    # the prompt alone: 26 ms; the bound 39 ms is the prompt and 6 of a's rows (a seventh would make 40 ms)
+    assert tenants(bound(plan)) == {"a": 6, "b": 6}
+
+
+def test_a_tenant_with_work_but_no_row_in_the_step_counts_with_none():
+    """b has a request waiting, or has just finished one: the step delays its next first token."""
+    alone = decodes("a", 16)
+    assert bound(alone) == alone
+    # with none of b's rows: 14 ms; the bound 21 ms is three of a's rows (a fourth would make 22 ms)
+    assert tenants(bound(alone, others={"b"})) == {"a": 3}
+
+
 def test_equal_parts_one_tenant_alone_and_no_bound_keep_every_row():
     equal = decodes("a", 8) + decodes("b", 8)  # 30 ms against 46 ms: sharing equally costs what it costs
-    assert bounded(equal, cost(), {}, 1.5) == equal
+    assert bound(equal) == equal
     alone = decodes("a", 16)
-    assert bounded(alone, cost(), {}, 1.5) == alone
+    assert bound(alone) == alone
     hog = decodes("a", 15) + decodes("b", 1)
-    assert bounded(hog, cost(), {}, math.inf) == hog
+    assert bound(hog, slowdown=math.inf) == hog
 
 
 def test_an_equal_part_is_by_weight_and_a_tenant_keeps_a_row():
     rows_cost = (0.001, 0.01, 0.0)  # rows cost nearly all of a step: the bound alone would leave b's row only
     plan = decodes("a", 15) + decodes("b", 1)
-    assert tenants(bounded(plan, cost(rows_cost), {}, 1.5)) == {"a": 1, "b": 1}
-    assert tenants(bounded(plan, cost(rows_cost), {"a": 0.75}, 1.5)) == {"a": 3, "b": 1}  # b's weight is 0.25
+    assert tenants(bound(plan, rows_cost)) == {"a": 1, "b": 1}
+    assert tenants(bound(plan, rows_cost, {"a": 0.75})) == {"a": 3, "b": 1}  # b's weight is 0.25
 
 
 def test_held_rows_take_turns_and_change_no_tokens(tiny_model):
