@@ -53,6 +53,7 @@ class Scheduler:
         self.cost = cost or StepCost()
         self.slowdown = slowdown  # the most a step may take over a tenant's own part (engine/slowdown.py)
         self.steps = 0  # steps scheduled
+        self.stepping: set[int] = set()  # the sequences of the step under way (or the last one)
         self.pace = pace  # None: no objectives, steps are sized by max_batch_tokens alone
         self.shared_chunk = shared_chunk  # 0: off
         self.usage: dict[str, float] = {}  # tenant -> tokens computed, halved every USAGE_HALF_LIFE (charge)
@@ -135,18 +136,22 @@ class Scheduler:
         self.steps += 1
         for seq, _ in plan:
             seq.ran_at = self.steps
+        self.stepping = {seq.id for seq, _ in plan}
         return sorted(plan, key=lambda p: p[1] != 1)  # decode rows first, so they batch into one group
 
-    def lane(self, budget: int) -> list[tuple[Sequence, int]]:
+    def lane(self, budget: int, anyone: bool) -> list[tuple[Sequence, int]]:
         """Inside a step under way (Engine.lane_step): waiting requests that need at most `budget` tokens in all to
-        reach their next token (short prompts past their cached prefix), admitted now without preempting anyone,
-        with those tokens."""
+        reach their next token (short prompts past their cached prefix), admitted now, with those tokens; unless
+        `anyone`, only those of tenants with no sequence in the step (the step keeps them waiting). A request whose
+        tenant holds less than its part of the slots may take the slot of a sequence the step holds back
+        (engine/slowdown.py), preempted from the tenant running furthest over its part."""
         plan = []
+        stepping = {s.scope.tenant for s in self.running if s.id in self.stepping}
         for seq, m, _ in self._admission_order(time.monotonic()):
             n = len(seq.tokens) - len(m)
-            if n > budget or self.num_slots + 1 + len(seq.forks) > self.max_num_seqs:
+            if n > budget or not (anyone or seq.scope.tenant not in stepping):
                 continue
-            if self._waits_for_inflight(seq, m) or not self.blocks.admit(seq, m):
+            if self._waits_for_inflight(seq, m) or not self._slot(seq) or not self.blocks.admit(seq, m):
                 continue
             self.waiting.remove(seq)
             self.adopt(seq)
@@ -222,18 +227,35 @@ class Scheduler:
             fair = guarantees(held, self.shares, self.max_num_seqs)
             if held[tenant] + need > fair[tenant]:
                 continue
-            while free < need:
-                over = max(runs, key=lambda t: runs[t] - fair[t], default=None)
-                if over is None or runs[over] <= fair[over]:
-                    break
-                victim = next(s for s in reversed(self.running) if s.scope.tenant == over)
+            while free < need and (victim := self._over(runs, fair, set())):
                 self.preempt(victim)
-                runs[over] -= 1 + len(victim.forks)
-                held[over] -= 1 + len(victim.forks)
+                runs[victim.scope.tenant] -= 1 + len(victim.forks)
+                held[victim.scope.tenant] -= 1 + len(victim.forks)
                 free += 1 + len(victim.forks)
             if free >= need:
                 held[tenant] += need
                 free -= need
+
+    def _slot(self, seq: Sequence) -> bool:
+        """Whether the request has running slots now (Scheduler.lane): free ones, or, if its tenant holds less than
+        its part, ones of sequences outside the step under way, preempted from the tenants furthest over theirs."""
+        need, runs = 1 + len(seq.forks), self._slots()
+        runs[seq.scope.tenant] += 0
+        fair = guarantees(runs, self.shares, self.max_num_seqs)
+        if runs[seq.scope.tenant] + need > fair[seq.scope.tenant]:
+            return self.num_slots + need <= self.max_num_seqs
+        while self.num_slots + need > self.max_num_seqs and (victim := self._over(runs, fair, self.stepping)):
+            self.preempt(victim)
+            runs[victim.scope.tenant] -= 1 + len(victim.forks)
+        return self.num_slots + need <= self.max_num_seqs
+
+    def _over(self, runs: Counter, fair: dict[str, float], keep: set[int]) -> Sequence | None:
+        """The newest running sequence, not in `keep`, of the tenant running furthest over its part of the slots;
+        None if no tenant is over its part (or has such a sequence)."""
+        over = max(runs, key=lambda t: runs[t] - fair[t], default=None)
+        if over is None or runs[over] <= fair[over]:
+            return None
+        return next((s for s in reversed(self.running) if s.scope.tenant == over and s.id not in keep), None)
 
     def _victim(self) -> Sequence:
         """Whom memory pressure preempts: the newest running sequence of the tenant whose running sequences hold the

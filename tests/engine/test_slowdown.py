@@ -109,3 +109,35 @@ def test_held_rows_take_turns_and_change_no_tokens(tiny_model):
     alone = LLM(model=tiny_model, enable_prefix_cache=False)
     for seq, p in zip(a + [b], prompts):
         assert seq.output_ids == alone.generate([p], GREEDY)[0].token_ids
+
+
+def test_a_tenant_with_nothing_in_the_step_runs_inside_it_on_a_held_back_slot(tiny_model):
+    """a holds four of five slots and c one; rows cost nearly all of a step, so the step decodes c's row and one of
+    a's. b's request (a cached prefix and 8 new tokens) arrives during it: it runs before the step's next layer, on
+    the slot of one of a's held-back sequences (preempted, its blocks kept cached), and every answer is the one it
+    gets alone."""
+    llm = LLM(model=tiny_model, max_num_seqs=5)
+    engine = llm.engine
+    prefix = list(range(5000, 5064))
+    llm.generate([prefix + [1]], GREEDY, CacheScope(tenant="b"))  # b caches its prefix
+    prompts = [[100 + i] + list(range(3000, 3019)) for i in range(5)]
+    seqs = [engine.add_request(p, GREEDY, CacheScope(tenant="a" if i < 4 else "c")) for i, p in enumerate(prompts)]
+    while any(not s.output_ids for s in seqs):
+        engine.step()
+    lanes, b = [], []
+
+    def between() -> None:  # what the server's worker does before each layer
+        if not b:
+            b.append(engine.add_request(prefix + list(range(7000, 7008)), GREEDY, CacheScope(tenant="b")))
+            lanes.append([s.id for s in engine.lane_step()])
+
+    engine.cost.coef = np.array((0.001, 0.01, 0.0))
+    preemptions = engine.scheduler.num_preemptions
+    engine.step(between)
+    assert lanes == [[b[0].id]] and b[0].output_ids and b[0].cache.num_cached == len(prefix)
+    assert engine.scheduler.num_preemptions == preemptions + 1
+    while engine.has_unfinished():
+        engine.step()
+    alone = LLM(model=tiny_model, enable_prefix_cache=False)
+    for seq in seqs + b:
+        assert seq.output_ids == alone.generate([seq.tokens[:seq.num_prompt]], GREEDY)[0].token_ids
