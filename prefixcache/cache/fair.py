@@ -12,6 +12,8 @@ have `bound` items waiting; past it, put() refuses and its caller says what that
 A tenant may also be held (hold()): its items wait until then while others' are served. FairThread holds a tenant
 after each of its jobs in proportion to the job's time when given a `duty` below 1, so no tenant keeps the thread,
 and the core it runs on, busier than that: the preparing thread's tokenizing runs beside the engine's threads.
+FairThread may run several threads (`workers`), each tenant's jobs one at a time (get(claim=True), release()), so a
+tenant's job never waits for another tenant's job under way, only for its turn.
 """
 import atexit
 import threading
@@ -37,6 +39,7 @@ class FairQueue(Generic[T]):
         self.now = 0.0  # the start of the item served last
         self.shares: dict[str, float] = {}
         self.held: dict[str, float] = {}  # a tenant's items start no earlier than this (time.monotonic())
+        self.claimed: set[str] = set()  # tenants with an item being served, whose next waits for release()
         self.closed = False
         self.cond = threading.Condition()
 
@@ -52,8 +55,9 @@ class FairQueue(Generic[T]):
             self.cond.notify()
             return True
 
-    def get(self) -> T | None:
-        """The next item of a tenant not held, waiting for one; None once closed and empty (once closed, holds end)."""
+    def get(self, claim: bool = False) -> T | None:
+        """The next item of a tenant not held (nor claimed), waiting for one; None once closed and empty (once closed,
+        holds end). `claim`: the tenant's next items wait until release(tenant)."""
         with self.cond:
             while not (ready := self._ready()) and not (self.closed and not self.queues):
                 until = [self.held[t] for t in self.queues if t in self.held]
@@ -66,6 +70,8 @@ class FairQueue(Generic[T]):
             self.start[tenant] += 1 / max(weight, MIN_WEIGHT)
             q = self.queues[tenant]
             item = q.popleft()
+            if claim:
+                self.claimed.add(tenant)
             if not q:
                 del self.queues[tenant]
             # an idle tenant the virtual time has caught up with would start at `now` anyway: forget it
@@ -76,6 +82,12 @@ class FairQueue(Generic[T]):
         """The tenants' weights: fractions summing to at most 1, as CacheAdmin.set_shares takes them."""
         with self.cond:
             self.shares = dict(shares)
+
+    def release(self, tenant: str) -> None:
+        """The tenant's item claimed by get() is done: its next may be served."""
+        with self.cond:
+            self.claimed.discard(tenant)
+            self.cond.notify_all()
 
     def hold(self, tenant: str, seconds: float) -> None:
         """The tenant's items wait `seconds` from now while others' are served."""
@@ -88,7 +100,7 @@ class FairQueue(Generic[T]):
     def _ready(self) -> list[str]:
         """The tenants with items waiting that are not held."""
         now = time.monotonic()
-        return [t for t in self.queues if self.closed or self.held.get(t, 0.0) <= now]
+        return [t for t in self.queues if t not in self.claimed and (self.closed or self.held.get(t, 0.0) <= now)]
 
     def close(self) -> None:
         """get() gives what is queued, then None."""
@@ -98,14 +110,18 @@ class FairQueue(Generic[T]):
 
 
 class FairThread:
-    """One thread running the jobs tenants submit, in a FairQueue's order; a job's result comes back as a Future."""
+    """Threads (`workers`) running the jobs tenants submit, in a FairQueue's order, a tenant's one at a time; a job's
+    result comes back as a Future."""
 
-    def __init__(self, name: str, bound: int, initializer: Callable[[], None] | None = None, duty: float = 1.0):
-        assert 0 < duty <= 1
-        self.duty = duty  # the most of the thread's time one tenant's jobs take while others' wait or not
+    def __init__(self, name: str, bound: int, initializer: Callable[[], None] | None = None, duty: float = 1.0,
+                 workers: int = 1):
+        assert 0 < duty <= 1 and workers >= 1
+        self.duty = duty  # the most of a thread's time one tenant's jobs take while others' wait or not
         self.jobs: FairQueue[tuple[str, Future, Callable[[], object]]] = FairQueue(bound)
-        self.thread = threading.Thread(target=self._run, args=(initializer,), name=name, daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._run, args=(initializer,), name=f"{name}-{i}", daemon=True)
+                        for i in range(workers)]
+        for thread in self.threads:
+            thread.start()
         # at exit, let the job under way finish: a daemon thread stopped inside native code (xgrammar's tokenizer
         # tables, built at start) aborts the process
         ref = weakref.ref(self)
@@ -122,12 +138,13 @@ class FairThread:
     def shutdown(self) -> None:
         """Run the jobs queued, then stop."""
         self.jobs.close()
-        self.thread.join()
+        for thread in self.threads:
+            thread.join()
 
     def _run(self, initializer: Callable[[], None] | None) -> None:
         if initializer:
             initializer()
-        while (job := self.jobs.get()) is not None:
+        while (job := self.jobs.get(claim=True)) is not None:
             tenant, future, work = job
             if future.set_running_or_notify_cancel():
                 start = time.monotonic()
@@ -137,3 +154,4 @@ class FairThread:
                     future.set_exception(e)
                 if self.duty < 1:
                     self.jobs.hold(tenant, (time.monotonic() - start) * (1 / self.duty - 1))
+            self.jobs.release(tenant)

@@ -73,9 +73,10 @@ class Server:
         self.shares: dict[str, float] = {}  # tenant -> cache_share: its weight at the admission gate and in the engine
         # rendering and tokenizing, off the event loop (the tokenizer lets go of the GIL), taken by tenant weight; one
         # tenant may have as many requests waiting there as the server holds in flight, then 429. A tenant's jobs take
-        # at most PREPARE_DUTY of the thread's time: its core is one the engine's threads run on
+        # at most PREPARE_DUTY of a thread's time: its core is one the engine's threads run on. Two threads, a
+        # tenant's jobs one at a time: another tenant's short request never waits for a long prompt's tokenizing
         self.capacity = cfg.engine.max_num_seqs + cfg.max_queue  # requests in flight (server/gate.py)
-        self.preparer = FairThread("prepare", self.capacity, duty=PREPARE_DUTY)
+        self.preparer = FairThread("prepare", self.capacity, duty=PREPARE_DUTY, workers=2)
         self.intake = Intake(cfg.intake_bytes_per_s, cfg.max_body_bytes, self.capacity)
         self.draining = False  # after SIGTERM: running requests finish, new ones get 503 (server/serve.py)
 

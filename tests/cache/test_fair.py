@@ -129,3 +129,29 @@ def test_a_thread_with_a_duty_holds_each_tenant_in_proportion_to_its_jobs():
         assert time.monotonic() - t0 >= 3 * 0.05 + 2 * 3 * 0.05 and done.index("b") == 1, done
     finally:
         thread.shutdown()
+
+
+def test_two_workers_run_another_tenants_job_beside_a_long_one_and_a_tenants_one_at_a_time():
+    thread = FairThread("two", bound=10, workers=2)
+    try:
+        started = threading.Event()
+        gate = threading.Event()
+        running: list[str] = []
+
+        def long(name: str) -> None:
+            running.append(name)
+            started.set()
+            gate.wait(10)
+
+        first = thread.submit("a", long, "a0")
+        started.wait(10)
+        second = thread.submit("a", long, "a1")  # a's next waits for a's first, though a thread is free
+        b = thread.submit("b", lambda: "b")
+        assert b.result(timeout=10) == "b" and running == ["a0"] and not second.done()
+        gate.set()
+        for job in (first, second):
+            job.result(timeout=10)
+        assert running == ["a0", "a1"]
+    finally:
+        gate.set()
+        thread.shutdown()
