@@ -19,6 +19,7 @@ from collections import Counter, deque
 from prefixcache.cache.shares import guarantees
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.pace import Pace
+from prefixcache.engine.prefill_shares import PrefillShares
 from prefixcache.engine.sequence import Sequence, Status
 from prefixcache.engine.slowdown import bounded
 from prefixcache.engine.step_cost import StepCost, Work
@@ -26,23 +27,6 @@ from prefixcache.engine.step_cost import StepCost, Work
 USAGE_HALF_LIFE = 2.0  # seconds: how fast a tenant's engine use is forgotten (Scheduler.charge)
 NEXT_REQUEST = 0.1  # seconds a tenant still counts as having work after its last request finished: the gap of a
 # client that sends one request after another, not of one that sends a request now and then
-
-
-class PrefillShares:
-    """One step's prefill tokens by tenant, each tenant's capped at `cap` (None: no cap) except the `exempt` one's.
-    Decode rows (a sequence's one uncomputed token) are never capped."""
-
-    def __init__(self, cap: int | None, exempt: str | None = None):
-        self.cap, self.exempt, self.used = cap, exempt, Counter()
-
-    def allow(self, seq: Sequence, n: int) -> int:
-        if self.cap is None or seq.num_uncomputed == 1 or seq.scope.tenant == self.exempt:
-            return n
-        return max(0, min(n, self.cap - self.used[seq.scope.tenant]))
-
-    def take(self, seq: Sequence, n: int) -> None:
-        if seq.num_uncomputed > 1 or n > 1:
-            self.used[seq.scope.tenant] += n
 
 
 class Scheduler:
@@ -267,7 +251,7 @@ class Scheduler:
         over = max(held, key=lambda t: held[t] - fair[t])
         return next(s for s in reversed(self.running) if s.scope.tenant == over)
 
-    def _prefill_shares(self) -> "PrefillShares":
+    def _prefill_shares(self) -> PrefillShares:
         """This step's prefill caps (a deficit round robin over engine use): while two tenants or more have work
         (running or waiting, or finished within NEXT_REQUEST), `shared_chunk` tokens for each, except the one with
         the least engine use lately (none on a tie); else none. A tenant that sends a small request now and then
