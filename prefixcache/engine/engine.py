@@ -154,11 +154,11 @@ class Engine:
         return failed + self._run(plan, between)
 
     def lane_step(self) -> list[Sequence]:
-        """Inside a step, before one of its layers: run the waiting requests that Scheduler.lane() lets through
-        (at most `shared_chunk` tokens; without it, a block's, and only a tenant's with nothing in the step) in a
-        step of their own, so they need not wait for the step under way. At
-        most one lane step runs inside a step: a stream of short requests takes at most about half of the time
-        of the steps it interrupts (a forward's cost is mostly per step, not per token, on a CPU)."""
+        """Inside a step, before one of its layers: run the waiting requests that Scheduler.lane() lets through (at
+        most `shared_chunk` tokens; without it, a block's, and only of a tenant with nothing in the step) in a step
+        of their own, so they need not wait for the step under way. At most one lane step runs inside a step: a
+        stream of short requests takes at most about half of the time of the steps it interrupts (a forward's cost
+        is mostly per step, not per token, on a CPU)."""
         plan = self.scheduler.lane(self.config.shared_chunk or self.config.block_size,
                                    bool(self.config.shared_chunk)) if self.lane_open else []
         if not plan:

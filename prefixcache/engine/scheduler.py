@@ -6,7 +6,9 @@ tenant furthest over its own part (whose newest sequences are preempted, their c
 memory pressure preempts the newest sequence of the tenant holding the most KV blocks over its part of the pool. A
 request that does not fit (slots or memory) is passed over, not waited for, until it has been passed over
 `fairness_steps` times; then it goes first and nothing overtakes it (unless its tenant holds its part while another
-waits below its own).
+waits below its own). While tenants share the engine, a step holds back the decode rows that would slow another
+tenant's tokens more than `--tenant-slowdown` (engine/slowdown.py), and a short request of a tenant with nothing in
+the step under way runs inside it (lane()), on the slot of a held-back sequence if its tenant is below its part.
 
 Given latency objectives (a Pace), fairness still decides whose request goes next, and the objectives how much
 prefill a step takes: what fits in the slack of the sequences it decodes, plus the requests whose first token would
@@ -133,7 +135,7 @@ class Scheduler:
         stepping = {s.scope.tenant for s in self.running if s.id in self.stepping}
         for seq, m, _ in self._admission_order(time.monotonic()):
             n = len(seq.tokens) - len(m)
-            if n > budget or not (anyone or seq.scope.tenant not in stepping):
+            if n > budget or (not anyone and seq.scope.tenant in stepping):
                 continue
             if self._waits_for_inflight(seq, m) or not self._slot(seq) or not self.blocks.admit(seq, m):
                 continue
