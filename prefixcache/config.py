@@ -54,7 +54,7 @@ class Config:
     slo_tpot_ms: float | None = None  # a time-per-output-token objective (after the first, as vLLM's benchmark
     # computes it), counted the same way; with slo_schedule, a step takes the prefill its decodes' slack allows
     slo_schedule: bool = False  # size each step against the objectives (engine/pace.py) instead of by
-    # max_batch_tokens alone; off by default: it has measured no better yet (bench/results/goodput.md)
+    # max_batch_tokens alone; off by default: better on agent-steps, no better on two other workloads (README)
     speculative: str = "off"  # draft tokens from: off | prompt (lookup in the request) | answers (the scope's
     # recent outputs) | both; every draft is verified, so greedy output is bit-identical (engine/drafter.py)
     num_speculative_tokens: int = 8  # the longest draft, up to 16; each request's shrinks with its acceptance
