@@ -97,6 +97,8 @@ class Llama:
         """Run on other ops from now on (the torch path, when the kernels fail their startup check)."""
         self.ops = ops
         self.lm_head = ops.prepare(self.embed if self.config.tie_embeddings else self.lm_head)
+        if self.config.tie_embeddings:  # the table as these ops hold it, not the panels of the kernels' LM head
+            self.embed = self.lm_head
         for L in self.layers:
             L.update({name: ops.prepare(L[name]) for name in LINEARS})
 
@@ -108,7 +110,7 @@ class Llama:
         # padded once to the plan's row count: every row-wise call below then runs unpadded
         n, pad = len(batch.input_ids), self.exact.padded_rows(len(batch.input_ids)) - len(batch.input_ids)
         ids = F.pad(batch.input_ids, (0, pad))
-        x = self.embed.take(ids) if isinstance(self.embed, Packed) else quant.embedding(self.embed, ids)
+        x = self.embed.take(ids, self.ops.isa) if isinstance(self.embed, Packed) else quant.embedding(self.embed, ids)
         if c.embed_scale != 1.0:
             x = x * c.embed_scale
         positions = F.pad(batch.positions, (0, pad))

@@ -75,14 +75,12 @@ class Packed:
     def unpack(self) -> torch.Tensor:
         return torch.cat([p.values for p in self.parts])
 
-    def take(self, ids: torch.Tensor) -> torch.Tensor:
-        """The fp32 values of rows `ids` [len(ids), k] (a tied embedding's), reading only their panels: the bits
-        of unpack()[ids], since a row's values depend on its own blocks alone."""
+    def take(self, ids: torch.Tensor, isa: int) -> torch.Tensor:
+        """The fp32 values of rows `ids` [len(ids), k] (a tied embedding's), dequantized by the kernels from their
+        panels alone: the bits of unpack()[ids], since a row's values depend on its own blocks alone."""
         assert len(self.parts) == 1, "the rows of one part"
-        part = self.parts[0]
-        panels, at = torch.div(ids, 16, rounding_mode="floor").unique(return_inverse=True)
-        picked = Part(part.kind, part.data.index_select(0, panels), 16 * len(panels))
-        return picked.values[at * 16 + ids % 16]
+        return torch.ops.prefixcache.rows(self.data[0], self.ids[0], self.rows[0], ids.reshape(-1), isa).view(
+            *ids.shape, self.k)
 
 
 class TorchOps:

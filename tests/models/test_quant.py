@@ -177,15 +177,20 @@ def test_embedding_dequantizes_the_rows_asked_for(kind):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["F32", *KINDS])
 def test_a_tied_embedding_takes_its_rows_from_the_lm_heads_panels(kind):
-    """The embedding of a tied table, read from the panels the LM head keeps (so the table is held once): the
-    bits of the weight's own rows, for ids in any panel, the padded last one included, repeated and unordered."""
+    """The embedding of a tied table, dequantized by the kernels from the panels the LM head keeps (so the table is
+    held once): the bits of the weight's own rows, on every build, for ids in any panel, the padded last one
+    included, repeated, unordered and in a 2-D batch; an id past the table is refused."""
     table = torch.randn(50, 256) if kind == "F32" else _blocks(kind, 50, 256, 9)
-    packed = BUILDS[0].prepare(table)
-    ids = torch.tensor([49, 3, 0, 3, 17, 48, 16])
     values = table if kind == "F32" else dequantize(table)
-    assert torch.equal(packed.take(ids), values[ids])
+    for ops in BUILDS:
+        packed = ops.prepare(table)
+        ids = torch.tensor([49, 3, 0, 3, 17, 48, 16])
+        assert torch.equal(packed.take(ids, ops.isa), values[ids])
+        assert torch.equal(packed.take(ids.view(1, 7), ops.isa), values[ids].view(1, 7, 256))
+        with pytest.raises(RuntimeError, match="id 50 is outside the weight's 50 rows"):
+            packed.take(torch.tensor([50]), ops.isa)
 
 
 def test_dequantize_is_ggufs():

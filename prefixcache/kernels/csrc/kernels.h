@@ -67,6 +67,7 @@ struct GemmArgs {
   namespace ns {                                                                                               \
   int64_t gemm_scratch(int kind, int64_t m);                                                                   \
   void gemm(int kind, const GemmArgs& a, float* scratch, int64_t p0, int64_t p1);                              \
+  void panel(int kind, const void* w, int64_t k, int64_t p, float* out);                                       \
   int64_t quant_rows();                                                                                        \
   void rms_norm(const float* x, const float* w, float* y, int64_t k, float eps, int64_t r0, int64_t r1);       \
   void silu_mul(const float* gate_up, float* y, int64_t i, int64_t r0, int64_t r1);                            \

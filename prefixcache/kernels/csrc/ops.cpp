@@ -1,4 +1,4 @@
-// torch ops prefixcache::{supported, kinds, quant_rows, linear, rms_norm, silu_mul, gelu_mul, rope_store, attend}:
+// torch ops prefixcache::{supported, kinds, quant_rows, linear, rows, rms_norm, silu_mul, gelu_mul, rope_store, attend}:
 // argument checks, threads, and the ISA build each call names. Threads split panels, rows or attention units, never a
 // reduction.
 #include <ATen/ATen.h>
@@ -18,6 +18,7 @@ struct Isa {
   decltype(&avx2::rope_store) rope_store;
   decltype(&avx2::gemm) gemm;
   decltype(&avx2::gemm_scratch) gemm_scratch;
+  decltype(&avx2::panel) panel;
   decltype(&avx2::quant_rows) quant_rows;
   decltype(&avx2::rms_norm) rms_norm;
   decltype(&avx2::silu_mul) silu_mul;
@@ -26,11 +27,11 @@ struct Isa {
   decltype(&avx2::attend_spans) attend_spans;
   decltype(&avx2::attend_merge) attend_merge;
 };
-const Isa AVX512{"avx512", avx512::rope_store, avx512::gemm, avx512::gemm_scratch, avx512::quant_rows,
-                 avx512::rms_norm, avx512::silu_mul, avx512::gelu_mul, avx512::attend, avx512::attend_spans,
-                 avx512::attend_merge};
-const Isa AVX2{"avx2", avx2::rope_store, avx2::gemm, avx2::gemm_scratch, avx2::quant_rows, avx2::rms_norm,
-               avx2::silu_mul, avx2::gelu_mul, avx2::attend, avx2::attend_spans, avx2::attend_merge};
+const Isa AVX512{"avx512", avx512::rope_store, avx512::gemm, avx512::gemm_scratch, avx512::panel,
+                 avx512::quant_rows, avx512::rms_norm, avx512::silu_mul, avx512::gelu_mul, avx512::attend,
+                 avx512::attend_spans, avx512::attend_merge};
+const Isa AVX2{"avx2", avx2::rope_store, avx2::gemm, avx2::gemm_scratch, avx2::panel, avx2::quant_rows,
+               avx2::rms_norm, avx2::silu_mul, avx2::gelu_mul, avx2::attend, avx2::attend_spans, avx2::attend_merge};
 bool supports(const char* name) {
   __builtin_cpu_init();
   if (std::string(name) == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
@@ -177,6 +178,34 @@ at::Tensor linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kin
   return y;
 }
 
+// rows `ids` of a weight of n rows in the format `kind` (one part, as linear takes it) as fp32 [len(ids), k]: the
+// values the GEMM reads, bit for bit (a tied embedding's rows, read from the LM head's panels)
+at::Tensor rows(const at::Tensor& w, int64_t kind, int64_t n, const at::Tensor& ids, int64_t isa) {
+  TORCH_CHECK(kind >= 0 && kind < NUM_KINDS, "rows: unknown weight kind ", kind);
+  const Kind& f = KINDS[kind];
+  check_tensor(w, kind == 0 ? at::kFloat : at::kByte, "rows: the weight");
+  TORCH_CHECK(w.dim() == 3 && n > 0 && w.size(0) == (n + 15) / 16 && w.size(2) * w.element_size() == f.bytes,
+              "rows: a ", f.name, " weight of ", n, " rows must be [ceil(rows / 16), k / ", f.k, ", ", f.bytes,
+              " bytes], got ", w.sizes());
+  check_tensor(ids, at::kLong, "ids");
+  TORCH_CHECK(ids.dim() == 1, "rows: ids must be 1-D, got ", ids.sizes());
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); i++)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "rows: id ", ip[i], " is outside the weight's ", n, " rows");
+  const Isa& kern = pick(isa);
+  const int64_t k = w.size(1) * f.k;
+  at::Tensor out = at::empty({ids.numel(), k}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, ids.numel(), 16, [&](int64_t i0, int64_t i1) {
+    std::vector<float> panel(k * 16);
+    for (int64_t i = i0; i < i1; i++) {
+      kern.panel((int)kind, w.data_ptr(), k, ip[i] / 16, panel.data());
+      for (int64_t c = 0; c < k; c++) op[i * k + c] = panel[c * 16 + ip[i] % 16];
+    }
+  });
+  return out;
+}
+
 // qkv [rows, (heads + 2 kv_heads) * d] -> its queries after RoPE [rows, heads, d]; the keys (after RoPE) and values
 // of the first slots.numel() rows written at those slots of one layer's pool k, v [slots, kv heads, d], in the
 // layout attend reads (models/paged.py store)
@@ -321,6 +350,7 @@ TORCH_LIBRARY(prefixcache, m) {
   m.def("quant_rows(int isa) -> int", &quant_rows);
   m.def("linear(Tensor x, Tensor[] parts, int[] kinds, int[] rows, Tensor? bias, int isa, Tensor? norm=None, "
         "float eps=0., bool swiglu=False, Tensor? residual=None) -> Tensor", &linear);
+  m.def("rows(Tensor w, int kind, int n, Tensor ids, int isa) -> Tensor", &rows);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor", &rms_norm);
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor", &silu_mul);
   m.def("gelu_mul(Tensor gate_up, int isa) -> Tensor", &gelu_mul);
