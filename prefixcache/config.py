@@ -59,6 +59,7 @@ class Config:
     # recent outputs) | both; every draft is verified, so greedy output is bit-identical (engine/drafter.py)
     num_speculative_tokens: int = 8  # the longest draft, up to 16; each request's shrinks with its acceptance
     num_threads: int = 0  # 0: torch's default
+    lora_modules: str = ""  # LoRA adapters (PEFT folders) a request may name as its model: NAME=PATH[,NAME=PATH...]
     # KV tiers below host memory (cache/tiers.py), each off unless set:
     disk_cache: str = ""  # L2: a folder for blocks evicted from memory
     disk_cache_gb: float = 10.0  # L2's byte budget (GiB), least recently used out first
@@ -91,8 +92,20 @@ class Config:
         if self.slo_schedule and self.slo_ttft_ms is None and self.slo_tpot_ms is None:
             raise ValueError("slo_schedule (--slo-schedule) schedules against objectives: give --slo-ttft-ms or "
                              "--slo-tpot-ms")
+        self.adapters  # a malformed lora_modules is refused here
         if (self.disk_cache or self.redis_url) and not self.enable_prefix_cache:
             raise ValueError("disk_cache and redis_url are tiers of the prefix cache: enable it")
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """lora_modules as {name: folder}."""
+        pairs = [p.partition("=") for p in self.lora_modules.split(",") if p.strip()]
+        if any(not name.strip() or not eq or not path.strip() for name, eq, path in pairs):
+            raise ValueError(f"lora_modules={self.lora_modules!r} (--lora-modules): NAME=PATH pairs, comma-separated")
+        adapters = {name.strip(): path.strip() for name, _, path in pairs}
+        if len(adapters) < len(pairs):
+            raise ValueError(f"lora_modules={self.lora_modules!r} (--lora-modules): a name given twice")
+        return adapters
 
     @property
     def kv_storage_dtype(self) -> str:

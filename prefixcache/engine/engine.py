@@ -41,6 +41,7 @@ from prefixcache.engine.sequence import (
 from prefixcache.engine.speculation import Speculation
 from prefixcache.engine.step_cost import StepCost, Work
 from prefixcache.engine.tiering import open_tiers
+from prefixcache.models import lora
 from prefixcache.models.catalog import NAMES, model_path
 from prefixcache.models.cpu import check_dtype
 from prefixcache.models.llama import Llama
@@ -109,7 +110,11 @@ class Engine:
         # of other replicas: on the torch path, or on kernels built from other sources, its bits are not ours)
         arithmetic = model.ops.arithmetic(self.exactness.cpu)
         self.fingerprint = xxhash.xxh3_128_hexdigest(f"{weights.fingerprint} {arithmetic}".encode())
-        self.runner = ModelRunner(model, self.pool, config.max_num_seqs)
+        # after the probe: an adapter's weights are held as the ops that passed it hold them
+        self.adapters = {name: lora.load(name, folder, c, model.ops.prepare, model.norm.dtype)
+                         for name, folder in config.adapters.items()}
+        self.runner = ModelRunner(model, self.pool, config.max_num_seqs,
+                                  {a.fingerprint: a for a in self.adapters.values()})
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.speculation = Speculation(Drafter(config.speculative, config.num_speculative_tokens), self.sampler,
@@ -125,13 +130,16 @@ class Engine:
         self.grammars.info.add_done_callback(_give_back_freed_heap)
 
     def add_request(self, prompt: list[int], params: SamplingParams, scope: CacheScope | None = None,
-                    breakpoints: list[Breakpoint] = (), priority: int = 0) -> Sequence:
+                    breakpoints: list[Breakpoint] = (), priority: int = 0, adapter: str = "") -> Sequence:
+        """`adapter`: the name of a LoRA adapter (Config.lora_modules) to run the request with; "" for none."""
+        if adapter and adapter not in self.adapters:
+            raise ValueError(f"no LoRA adapter {adapter!r}; loaded: {', '.join(self.adapters) or 'none'}")
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=self.config.max_tokens)
         drafts = self.config.num_speculative_tokens if self.speculation.drafter.enabled else 0
         check(prompt, params, breakpoints, self.model_config.vocab_size, self.max_model_len, self.blocks, drafts,
               self.config.max_num_seqs)
-        scope = self.scope(scope)
+        scope = self.scope(scope, adapter)
         grammar = self.grammars.compile(scope, params.guide) if params.guide else None
         draft_len = self.config.num_speculative_tokens if self.speculation.applies(params) else 0
         seq = request_samples(prompt, params, scope, list(breakpoints), priority,
@@ -276,9 +284,10 @@ class Engine:
             self.scheduler.add(fork)
         seq.forks = []
 
-    def scope(self, scope: CacheScope | None = None) -> CacheScope:
-        """The request scope with this engine's fingerprint (weights and arithmetic) filled in."""
-        return dataclasses.replace(scope or CacheScope(), fingerprint=self.fingerprint)
+    def scope(self, scope: CacheScope | None = None, adapter: str = "") -> CacheScope:
+        """The request scope with this engine's fingerprint (weights and arithmetic) and the adapter's filled in."""
+        return dataclasses.replace(scope or CacheScope(), fingerprint=self.fingerprint,
+                                   adapter=self.adapters[adapter].fingerprint if adapter else "")
 
     def close(self) -> None:
         """Finish the tiers' queued writes and the KV events, and stop their threads."""

@@ -15,14 +15,16 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
                  scope: CacheScope | None = None, breakpoints: list[Breakpoint] = (),
-                 priority: int = 0) -> list[RequestOutput]:
+                 priority: int = 0, adapter: str = "") -> list[RequestOutput]:
         """Generate for each prompt (text, or token ids) concurrently; outputs in prompt order, params.n per prompt
-        (the best of params.best_of). Cache entries written with a higher priority are evicted later."""
+        (the best of params.best_of). Cache entries written with a higher priority are evicted later. `adapter`
+        names a LoRA adapter of the engine's lora_modules."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         token_lists = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        requests = [self.engine.add_request(t, params, scope, breakpoints, priority).samples for t in token_lists]
+        requests = [self.engine.add_request(t, params, scope, breakpoints, priority, adapter).samples
+                    for t in token_lists]
         while any(s.finish_reason is None for samples in requests for s in samples):
             self.engine.step()
         return [o for samples in requests for o in best([s.output() for s in samples], params.n)]

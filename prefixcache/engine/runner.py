@@ -10,15 +10,17 @@ from prefixcache.engine.sampler import logprobs
 from prefixcache.engine.sequence import Sequence
 from prefixcache.models.attention import Queries
 from prefixcache.models.llama import Batch, Llama
+from prefixcache.models.lora import Adapter
 from prefixcache.models.rowwise import KernelOps, TorchOps
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, pool: KVPool, head_rows: int):
+    def __init__(self, model: Llama, pool: KVPool, head_rows: int, adapters: dict[str, Adapter]):
         self.model = model
         self.pool = pool
         self.bs = pool.block_size
         self.head_rows = head_rows  # the LM head's calls have at most this many rows: the counts the probe verified
+        self.adapters = adapters  # LoRA adapters by fingerprint: a sequence's is its scope's `adapter`
 
     def run(self, plan: list[tuple[Sequence, int]], verify: set[int] = frozenset(),
             between: Callable[[], None] | None = None) -> tuple[
@@ -28,8 +30,11 @@ class ModelRunner:
         sequences that want prompt logprobs, (first position, hidden states) of the computed positions that
         predict a prompt token. `between` is called before each layer (Llama.forward)."""
         ids, pos, slots, queries, rows, owners, prompt_rows = [], [], [], [], [], [], {}
+        adapter_rows: dict[str, list[int]] = {}
         for seq, m in plan:
             first, start = len(ids), seq.num_computed
+            if seq.scope.adapter:
+                adapter_rows.setdefault(seq.scope.adapter, []).extend(range(first, first + m))
             queries.append(Queries(first, list(range(start, start + m)), start + m, seq.block_table))
             for p in range(start, start + m):
                 ids.append(seq.tokens[p])
@@ -41,7 +46,8 @@ class ModelRunner:
             n_prompt = min(start + m, seq.num_prompt - 1) - start
             if seq.prompt_logprobs is not None and n_prompt > 0:
                 prompt_rows[seq.id] = (start, first, first + n_prompt)
-        batch = Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), queries)
+        batch = Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), queries,
+                      [(self.adapters[a], torch.tensor(r)) for a, r in adapter_rows.items()])
         hidden = self.model.forward(batch, self.pool, between)
         head = hidden[rows]
         logits = torch.cat([self.model.logits(head[i:i + self.head_rows])

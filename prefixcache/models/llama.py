@@ -6,7 +6,7 @@ and the startup probe confirms it. On torch's, every row-wise op (the GEMMs, RMS
 row counts the probe verified on this CPU (models/exactness.py), and attention in calls whose query rows and keys
 it verified (models/attention.py).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -17,6 +17,7 @@ from prefixcache.models import attention, paged, quant, rope
 from prefixcache.models.attention import Queries
 from prefixcache.models.exactness import Exactness, RowOp, in_calls, rows_plan
 from prefixcache.models.loader import Weights
+from prefixcache.models.lora import Adapter
 from prefixcache.models.rowwise import KernelOps, Packed, TorchOps
 
 LINEARS = ("qkv", "o", "gate_up", "down")
@@ -28,6 +29,7 @@ class Batch:
     positions: torch.Tensor  # [N]
     slots: torch.Tensor  # [N] flat pool slot each token's K/V is written to
     queries: list[Queries]  # each sequence's tokens in the batch
+    adapters: list[tuple[Adapter, torch.Tensor]] = field(default_factory=list)  # each LoRA adapter's rows
 
 
 class Llama:
@@ -126,11 +128,13 @@ class Llama:
             results = {local: attention.empty_results(p, n + pad, c.num_heads, c.head_dim, x.dtype)
                        for local, p in plans.items()}  # a plan's own: a tile one leaves out, the other may write
         glu_linear = self.ops.swiglu_linear if c.activation == "silu" else self.ops.geglu_linear
+        glu = self.ops.swiglu if c.activation == "silu" else self.ops.geglu
         for i, L in enumerate(self.layers):
             if between:
                 with torch.inference_mode(False):  # as outside any forward: it may create requests' own tensors
                     between()
             qkv = self._rows(self.ops.norm_linear, x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
+            self._lora(batch, i, "qkv", qkv, lambda rows: self._rows(self.ops.rms_norm, x[rows], L["ln1"], eps))
             if c.qk_norm:
                 qkv = self._qk_norm(qkv, L)
             local = i in self.local_layers
@@ -146,16 +150,33 @@ class Llama:
                 pool.k[i].index_copy_(0, batch.slots, k[:n].to(pool.k.dtype))
                 pool.v[i].index_copy_(0, batch.slots, v[:n].to(pool.v.dtype))
                 o = attention.attend(q, pool.k[i], pool.v[i], plans[local], *results[local], scale=self.attn_scale)
+            o = o.view(-1, nq)
             if c.sandwich_norms:  # x + norm(o W), x + norm(MLP(norm(x)))
-                y = self._rows(self.ops.linear, o.view(-1, nq), L["o"])
+                y = self._rows(self.ops.linear, o, L["o"])
+                self._lora(batch, i, "o", y, lambda rows: o[rows])
                 x = x + self._rows(self.ops.rms_norm, y, L["post_attn"], eps)
-                gate_up = self._rows(self.ops.norm_linear, x, L["ln2"], eps, L["gate_up"])
-                x = x + self._rows(self.ops.rms_norm, self._rows(glu_linear, gate_up, L["down"]), L["post_ffn"], eps)
             else:
-                x = self._rows(self.ops.linear, o.view(-1, nq), L["o"], None, residual=x)
-                gate_up = self._rows(self.ops.norm_linear, x, L["ln2"], eps, L["gate_up"])
+                x = self._rows(self.ops.linear, o, L["o"], None, residual=x)
+                self._lora(batch, i, "o", x, lambda rows: o[rows])
+            gate_up = self._rows(self.ops.norm_linear, x, L["ln2"], eps, L["gate_up"])
+            self._lora(batch, i, "gate_up", gate_up, lambda rows: self._rows(self.ops.rms_norm, x[rows], L["ln2"], eps))
+            if c.sandwich_norms:
+                y = self._rows(glu_linear, gate_up, L["down"])
+                self._lora(batch, i, "down", y, lambda rows: self._rows(glu, gate_up[rows]))
+                x = x + self._rows(self.ops.rms_norm, y, L["post_ffn"], eps)
+            else:
                 x = self._rows(glu_linear, gate_up, L["down"], residual=x)
+                self._lora(batch, i, "down", x, lambda rows: self._rows(glu, gate_up[rows]))
         return self._rows(self.ops.rms_norm, x, self.norm, eps)[:n]
+
+    def _lora(self, batch: Batch, layer: int, gemm: str, y: torch.Tensor,
+              inputs: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Add each adapter's delta of this GEMM to its rows of the GEMM's result y, in place; `inputs(rows)` is
+        the GEMM's input on those rows (models/lora.py)."""
+        for adapter, rows in batch.adapters:
+            if (d := adapter.deltas.get((layer, gemm))) is not None:
+                t = self._rows(self.ops.linear, inputs(rows), d.a)
+                y[rows] += self._rows(self.ops.linear, t, d.b) * d.scale
 
     def _qk_norm(self, qkv: torch.Tensor, L: dict) -> torch.Tensor:
         """q and k with each head through its RMSNorm (a head is a row of the norm), v as it was."""

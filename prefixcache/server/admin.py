@@ -35,8 +35,11 @@ async def health(request: Request):
 async def models(request: Request):
     server = current(request)
     server.auth(request)
-    return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                        "owned_by": "prefixcache", "max_model_len": server.engine.max_model_len}]}
+    base = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "prefixcache",
+            "max_model_len": server.engine.max_model_len}
+    # LoRA adapters as vLLM lists them: each its own model, its parent the base
+    return {"object": "list", "data": [base] + [{**base, "id": name, "parent": server.model_name}
+                                                for name in server.engine.adapters]}
 
 
 @router.get("/version")

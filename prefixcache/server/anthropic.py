@@ -160,7 +160,7 @@ def stop_reason(tokenizer, gen: Generation, stops: list[str]) -> tuple[str, str 
 @router.post("/v1/messages")
 async def messages(request: Request, req: MessagesRequest, caller: Principal = Depends(principal)):
     server = current(request)
-    server.check_model(req.model)
+    adapter = server.check_model(req.model)
     if req.max_tokens >= server.engine.max_model_len:
         raise ApiError(400, f"max_tokens must be below the context window ({server.engine.max_model_len})")
     stops = [s for s in req.stop_sequences or [] if s]
@@ -174,8 +174,9 @@ async def messages(request: Request, req: MessagesRequest, caller: Principal = D
 
     prompt, breakpoints, use, params = await server.prepare(caller, prepare)
     gen = await server.generate(request, "anthropic", caller, prompt.token_ids, params, req.salt, breakpoints,
-                                where=prompt.where)
-    message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": server.model_name}
+                                where=prompt.where, adapter=adapter)
+    message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+               "model": adapter or server.model_name}
 
     if not req.stream:
         text = (await gen.texts())[0]

@@ -34,7 +34,7 @@ async def completions(request: Request, body: CompletionRequest, caller: Princip
 
 async def complete(request: Request, req: Common, caller: Principal, chat: bool):
     server = current(request)
-    server.check_model(req.model)
+    adapter = server.check_model(req.model)
     req.check_samples(server.engine.config.max_num_seqs)
 
     def prepare():
@@ -45,8 +45,8 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
 
     rendered, prompt, params = await server.prepare(caller, prepare)
     gen = await server.generate(request, "openai", caller, prompt, params, req.salt,
-                                where=rendered.where if rendered else None)
-    reply = Reply(req, gen, params, prompt, server.tokenizer, server.model_name, chat)
+                                where=rendered.where if rendered else None, adapter=adapter)
+    reply = Reply(req, gen, params, prompt, server.tokenizer, adapter or server.model_name, chat)
     return reply.stream() if req.stream else await reply.whole()
 
 

@@ -136,14 +136,19 @@ class Server:
         except ApiError:
             return False
 
-    def check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> str:
+        """The LoRA adapter a request's model names ("" for the base model); a 404 for a model not served."""
+        if model in self.engine.adapters:
+            return model
         if model not in (self.model_name, MODEL_ALIAS):
+            adapters = "".join(f", {a!r}" for a in self.engine.adapters)
             raise ApiError(404, f"model {model!r} not found; this server serves {self.model_name!r} "
-                                f"(alias {MODEL_ALIAS!r})", param="model", code="model_not_found")
+                                f"(alias {MODEL_ALIAS!r}){adapters}", param="model", code="model_not_found")
+        return ""
 
     async def generate(self, request: Request, api: str, principal: Principal, prompt: list[int],
                        params: SamplingParams, salt: str = "", breakpoints: list[Breakpoint] = (),
-                       where: Callable[[int], str] | None = None) -> Generation:
+                       where: Callable[[int], str] | None = None, adapter: str = "") -> Generation:
         """Submit a validated request and wait for its first token. `where` maps a token position back to the
         request (message and character offset), to explain where a cache match stopped."""
         if self.draining:
@@ -151,7 +156,7 @@ class Server:
         self.check_context(prompt)
         self.charge(principal, len(prompt))
         self.check_capacity(principal.tenant, api)
-        handle = self.worker.submit(prompt, params, principal.scope(salt), list(breakpoints))
+        handle = self.worker.submit(prompt, params, principal.scope(salt), list(breakpoints), adapter)
         gen = None
         try:
             gen = Generation(self.worker, self.metrics, handle, api, principal.tenant, params, where,

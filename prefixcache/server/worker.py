@@ -101,13 +101,13 @@ class EngineWorker:
 
     # ---- asyncio side -------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, scope: CacheScope,
-               breakpoints: list[Breakpoint]) -> Handle:
+               breakpoints: list[Breakpoint], adapter: str = "") -> Handle:
         handle = Handle(scope.tenant)
         self.held[scope.tenant] += 1
 
         def add():
             try:
-                handle.seqs = self.engine.add_request(prompt, params, scope, breakpoints).samples
+                handle.seqs = self.engine.add_request(prompt, params, scope, breakpoints, adapter=adapter).samples
             except ValueError as e:
                 self._deliver(handle, Update("", time.monotonic(), error=str(e), status=429 if isinstance(e, Busy)
                                              else 400))
