@@ -8,6 +8,7 @@ exact zeros. A row's delta depends on that row alone, so batching, chunking and 
 """
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ import xxhash
 from safetensors.torch import load_file
 
 from prefixcache.models.loader import ModelConfig
+from prefixcache.models.rowwise import Packed
 
 # PEFT's module names, as the stacked GEMM each belongs to and its part there
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
@@ -25,8 +27,8 @@ FILES = ("adapter_config.json", "adapter_model.safetensors")
 @dataclass
 class Delta:
     """One GEMM's update: s * (x a^T) b^T, a [rank of every part, k] and b [n, rank of every part]."""
-    a: object  # the weight as the model's ops hold it (Ops.prepare)
-    b: object
+    a: torch.Tensor | Packed  # each as the model's ops hold a weight (their prepare)
+    b: torch.Tensor | Packed
     scale: float
 
 
@@ -37,7 +39,8 @@ class Adapter:
     deltas: dict[tuple[int, str], Delta]  # by (layer, GEMM)
 
 
-def load(name: str, folder: str, config: ModelConfig, prepare, dtype: torch.dtype) -> Adapter:
+def load(name: str, folder: str, config: ModelConfig, prepare: Callable[[torch.Tensor], torch.Tensor | Packed],
+         dtype: torch.dtype) -> Adapter:
     """An adapter's deltas for a model of `config`, each weight made ready by `prepare` (the model's ops). A
     ValueError names what the model or we do not support."""
     where = f"LoRA adapter {name!r} ({folder})"
@@ -111,7 +114,7 @@ def _shape(config: ModelConfig, module: str) -> tuple[int, int]:
 
 
 def _stacked(config: ModelConfig, gemm: str, by_part: dict[int, tuple[torch.Tensor, torch.Tensor]], rank: int,
-             scale: float, prepare, dtype: torch.dtype) -> Delta:
+             scale: float, prepare: Callable[[torch.Tensor], torch.Tensor | Packed], dtype: torch.dtype) -> Delta:
     """One stacked GEMM's delta from its parts' (A, B): A's stacked by rows, B's block-diagonal."""
     modules = [m for m, (g, _) in TARGETS.items() if g == gemm]  # in part order
     rows = [_shape(config, m)[0] for m in modules]
