@@ -91,7 +91,10 @@ class Llama:
         """Read these weights (gemm_weights' names) as fp32 panels from now on: the startup check found their blocks
         as shipped do not give their dequantized values' bits."""
         if "lm_head" in names:
+            tied = self.embed is self.lm_head
             self.lm_head = self.ops.dequantized(self.lm_head)
+            if tied:  # its rows come from the head's panels: those it now reads
+                self.embed = self.lm_head
         for i, L in enumerate(self.layers):
             L.update({name: self.ops.dequantized(L[name]) for name in LINEARS if f"{name} of layer {i}" in names})
 

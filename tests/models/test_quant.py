@@ -225,6 +225,26 @@ def test_weights_whose_blocks_differ_from_their_values_are_read_as_fp32(monkeypa
 
 
 @needs_kernels
+def test_a_tied_lm_head_whose_blocks_differ_is_read_as_fp32_by_the_embedding_too(monkeypatch):
+    """The LM head misread (simulated as above): the embedding, which takes its rows from the head's panels, reads
+    the fp32 panels too, and the output is the unchanged model's."""
+    llm = LLM(enable_prefix_cache=False)
+    model = llm.engine.runner.model
+    assert model.embed is model.lm_head and model.lm_head.kinds == ["Q8_0"]
+    part = model.lm_head.parts[0]
+    original = part.data.clone()
+    part.data[0, 3, 40] ^= 1  # a weight of token 0..15's rows
+    values = Part.values.fget
+    monkeypatch.setattr(Part, "values", property(
+        lambda p: values(dataclasses.replace(p, data=original) if p is part else p)))
+    assert "as fp32, for their blocks differ from their values: lm_head" in probe._shipped_reads(model)
+    assert model.embed is model.lm_head and not model.lm_head.kinds
+    prompt = [[1, 2, 3, 4, 15]]
+    plain = LLM(enable_prefix_cache=False)
+    assert llm.generate(prompt, GREEDY)[0].token_ids == plain.generate(prompt, GREEDY)[0].token_ids
+
+
+@needs_kernels
 def test_the_shipped_check_runs_again_for_other_weights_bytes_or_another_library(monkeypatch, tmp_path):
     """The start-up check of the weights read as shipped runs once for a file's bytes and a library: its verdict is
     kept for the next start, but a weight's bytes changed by a bit (another file) or a library rebuilt from the same
