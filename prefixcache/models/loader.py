@@ -208,16 +208,26 @@ def _config(hf: dict, tensor_names) -> ModelConfig:
     )
 
 
+# each layer's projections, by HF's name, and the module of the layer that holds it
+PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def projection_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each layer's projection weights' [n, k], by PROJECTIONS' names."""
+    q, kv, h, i = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
+            "up_proj": (i, h), "down_proj": (h, i)}
+
+
 def _check_shapes(c: ModelConfig, tensors: dict[str, Tensor]) -> None:
     """Every tensor the forward reads, of the shape the config gives: else an error naming the first that is not."""
-    q, kv, h, i = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    q, kv, h = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
     want = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_embeddings:
         want["lm_head.weight"] = (c.vocab_size, h)
     layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-             "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
-             "mlp.down_proj.weight": (h, i)}
+             **{f"{PROJECTIONS[m]}.{m}.weight": shape for m, shape in projection_shapes(c).items()}}
     if c.attention_bias:
         layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
     if c.qk_norm:

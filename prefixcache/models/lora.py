@@ -15,7 +15,7 @@ import torch
 import xxhash
 from safetensors.torch import load_file
 
-from prefixcache.models.loader import ModelConfig
+from prefixcache.models.loader import ModelConfig, projection_shapes
 from prefixcache.models.rowwise import Packed
 
 # PEFT's module names, as the stacked GEMM each belongs to and its part there
@@ -58,7 +58,7 @@ def load(name: str, folder: str, config: ModelConfig, prepare: Callable[[torch.T
         if not 0 <= layer < config.num_layers:
             raise ValueError(f"{where}: layer {layer} of {module}, but the model has {config.num_layers} layers")
         gemm, part = TARGETS[module]
-        n, k = _shape(config, module)
+        n, k = projection_shapes(config)[module]
         if a.shape != (rank, k) or b.shape != (n, rank):
             raise ValueError(f"{where}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
                              f"expected ({rank}, {k}) and ({n}, {rank})")
@@ -105,19 +105,11 @@ def _pairs(tensors: dict[str, torch.Tensor], where: str) -> dict[tuple[int, str]
     return pairs
 
 
-def _shape(config: ModelConfig, module: str) -> tuple[int, int]:
-    """The base weight's [n, k] of a module."""
-    q, kv, h, i = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.hidden_size, \
-        config.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
-            "up_proj": (i, h), "down_proj": (h, i)}[module]
-
-
 def _stacked(config: ModelConfig, gemm: str, by_part: dict[int, tuple[torch.Tensor, torch.Tensor]], rank: int,
              scale: float, prepare: Callable[[torch.Tensor], torch.Tensor | Packed], dtype: torch.dtype) -> Delta:
     """One stacked GEMM's delta from its parts' (A, B): A's stacked by rows, B's block-diagonal."""
     modules = [m for m, (g, _) in TARGETS.items() if g == gemm]  # in part order
-    rows = [_shape(config, m)[0] for m in modules]
+    rows = [projection_shapes(config)[m][0] for m in modules]
     b = torch.zeros(sum(rows), rank * len(by_part))
     a_rows = []
     for col, part in enumerate(sorted(by_part)):
