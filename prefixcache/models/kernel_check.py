@@ -28,12 +28,12 @@ def paged_targets(model, n_rows: int, gen: torch.Generator) -> list[tuple[str, s
     heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
     slots = -(-n_rows // BLOCK) * BLOCK
     qkv = torch.randn(n_rows, (heads + 2 * kv) * d, generator=gen)
-    at = torch.randint(0, len(model.cos), (n_rows,), generator=gen)
+    at = torch.randint(0, len(model.rope[False].cos), (n_rows,), generator=gen)  # rows already computed
 
     def rope_store(lo: int, hi: int, size: int) -> torch.Tensor:
         k_pool, v_pool = torch.zeros(slots, kv, d), torch.zeros(slots, kv, d)
         s = torch.arange(lo, hi)
-        q = paged.rope_store(qkv[lo:hi], model.cos[at[lo:hi]], model.sin[at[lo:hi]], k_pool, v_pool, s, heads, kv, isa)
+        q = paged.rope_store(qkv[lo:hi], *model.rope[False].rows(at[lo:hi]), k_pool, v_pool, s, heads, kv, isa)
         k = k_pool.view(-1, kv, d, BLOCK)[s // BLOCK, :, :, s % BLOCK]
         v = v_pool.view(-1, kv, BLOCK, d)[s // BLOCK, :, s % BLOCK]
         return torch.cat([t.reshape(hi - lo, -1) for t in (q, k, v)], dim=1)

@@ -63,10 +63,12 @@ class Llama:
                 self.layers[-1].update(ln2=w[p + "pre_feedforward_layernorm.weight"],
                                        post_attn=w[p + "post_attention_layernorm.weight"],
                                        post_ffn=w[p + "post_feedforward_layernorm.weight"])
-        positions = max_len or c.max_position  # a row's values do not depend on the table's length
-        self.cos, self.sin = rope.tables(c.rope, c.head_dim, positions, self.norm.dtype)
-        if c.local_rope:
-            self.local_cos, self.local_sin = rope.tables(c.local_rope, c.head_dim, positions, self.norm.dtype)
+        positions = max_len or c.max_position
+        # by whether a layer is local (Gemma 3's have their own base); a model without local layers has no True
+        self.rope = {False: rope.Table(c.rope, c.head_dim, positions, self.norm.dtype)}
+        if c.local_layers:
+            self.rope[True] = (rope.Table(c.local_rope, c.head_dim, positions, self.norm.dtype) if c.local_rope
+                               else self.rope[False])
         self.local_layers = frozenset(c.local_layers)
         self.attn_scale = c.attn_scale or c.head_dim ** -0.5
         self.exact: Exactness = rows_plan("", "until the engine sets the probed plan")
@@ -119,8 +121,7 @@ class Llama:
         if c.embed_scale != 1.0:
             x = x * c.embed_scale
         positions = F.pad(batch.positions, (0, pad))
-        tables = {False: (self.cos[positions], self.sin[positions])}  # by whether a layer is local
-        tables[True] = (self.local_cos[positions], self.local_sin[positions]) if c.local_rope else tables[False]
+        tables = {local: t.rows(positions) for local, t in self.rope.items()}
         windows = self.windows  # a plan per kind of layer
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if self.paged:

@@ -40,6 +40,30 @@ def from_hf(hf: dict, layer_type: str = "full_attention") -> Rope:
                 float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
 
 
+class Table:
+    """cos and sin rows by position, up to `limit`, computed as sequences reach them: memory follows the longest
+    sequence so far, not the context (Gemma 3's two tables over its 32k positions held 134 MB). A row's bits do not
+    depend on how many rows were computed with it (tests/models/test_model.py), so growing the tables changes none."""
+    FIRST = 1024  # rows computed at first; the tables then double
+
+    def __init__(self, rope: Rope, head_dim: int, limit: int, dtype: torch.dtype):
+        self.rope, self.head_dim, self.limit, self.dtype = rope, head_dim, limit, dtype
+        self.cos, self.sin = tables(rope, head_dim, min(limit, self.FIRST), dtype)
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [len(positions), head_dim]."""
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        assert top <= self.limit, f"position {top - 1} past the RoPE tables' {self.limit}"
+        if top > len(self.cos):
+            self.cos, self.sin = tables(self.rope, self.head_dim, min(self.limit, max(top, 2 * len(self.cos))),
+                                        self.dtype)
+        return self.cos[positions], self.sin[positions]
+
+    @property
+    def nbytes(self) -> int:
+        return self.cos.nbytes + self.sin.nbytes
+
+
 def tables(rope: Rope, head_dim: int, positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [positions, head_dim], the second half of each row a copy of the first."""
     freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq(rope, head_dim))

@@ -166,12 +166,27 @@ def test_rope_rows_do_not_depend_on_the_tables_length(threads):
         torch.set_num_threads(old)
 
 
+def test_rope_tables_grow_as_positions_are_reached_with_the_full_tables_bits():
+    """The engine's tables hold the rows sequences have reached (a doubling at a time), not the whole context."""
+    r = rope.Rope(1e6, "llama3", 32.0, 1.0, 4.0, 8192)
+    full = rope.tables(r, 256, 32768, torch.float32)
+    table = rope.Table(r, 256, 32768, torch.float32)
+    assert len(table.cos) == rope.Table.FIRST
+    for positions, held in (([0, 5, 1023], 1024), ([1024], 2048), ([3000, 7], 4096), ([32767], 32768)):
+        at = torch.tensor(positions)
+        cos, sin = table.rows(at)
+        assert len(table.cos) == held
+        assert torch.equal(cos, full[0][at]) and torch.equal(sin, full[1][at])
+    with pytest.raises(AssertionError, match="past the RoPE tables"):
+        table.rows(torch.tensor([32768]))
+
+
 def test_sequences_run_to_the_end_of_a_short_window_as_under_the_models_context(tiny_model):
     """With max_model_len 64 the tables hold 64 positions; prompts and drafts (prompt lookup on a repetitive prompt)
     run to the window's end with the tokens and logits of an engine holding the model's 2,048."""
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     short = LLM(model=tiny_model, max_model_len=64, speculative="prompt")
-    assert len(short.engine.runner.model.cos) == 64
+    assert short.engine.runner.model.rope[False].limit == 64
     full = LLM(model=tiny_model, speculative="prompt")
     prompts = [[5, 6, 7, 8] * 10, list(range(100, 163)), [9] * 20]
     s_out, s = generate_with_logits(short, prompts, params)
