@@ -52,22 +52,10 @@ def fits(b: Blocks) -> bool:
 
 
 def lay_out(b: Blocks) -> torch.Tensor:
-    """b's blocks as the kernels read them: [ceil(n / 16), k / K, LAID_OUT bytes] uint8."""
+    """b's blocks as the kernels read them: [ceil(n / 16), k / K, LAID_OUT bytes] uint8 (by the kernels' lay_out op,
+    csrc/layout.cpp: one pass over the file's bytes; blocks() is its inverse)."""
     assert fits(b), f"the kernels do not read {b.kind} at k = {b.shape[1]}"
-    n, k = b.shape
-    K, spec = FIELDS[b.kind]
-    count = -(-n // 16)
-    raw = torch.cat([b.rows, b.rows.new_zeros(count * 16 - n, b.rows.shape[1])]).view(count * 16, k // K, -1)
-    values = _split(b.kind, raw)
-    out = []
-    for name, bits, _ in spec:
-        v = values[name]
-        field = v.contiguous().view(torch.int16) if bits == _HALF else _unplanes(v, 1, bits)  # [rows, blocks, E]
-        field = field.view(count, 16, k // K, -1).permute(0, 2, 3, 1).contiguous()  # [panels, blocks, E, 16 rows]
-        out.append(field.view(torch.uint8).view(count, k // K, -1))
-    laid = torch.cat(out, dim=-1)
-    assert laid.shape[-1] == LAID_OUT[b.kind][1], "csrc/kernels.h KINDS: the bytes of a block of a panel"
-    return laid
+    return torch.ops.prefixcache.lay_out(b.rows.contiguous(), list(LAID_OUT).index(b.kind))
 
 
 def blocks(kind: str, laid: torch.Tensor, n: int) -> Blocks:
@@ -105,44 +93,9 @@ def _unplanes(v: torch.Tensor, run: int, bits: int) -> torch.Tensor:
     return out.reshape(*v.shape[:-3], -1)
 
 
-def _cut(raw: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    return list(torch.split(raw, sizes, dim=-1))
-
-
-def _split(kind: str, raw: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The fields of blocks raw [rows, blocks, bytes] as the file has them (models/quant.py KINDS), in k order,
-    unpacked as gguf.quants does to dequantize them: fp16 fields as their 2 bytes, quants a byte each."""
-    if kind in ("F16", "BF16"):
-        return {"w": raw}
-    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
-        out = {"d": raw[..., :2]}
-        if kind in ("Q4_1", "Q5_1"):
-            out["m"], raw = raw[..., 2:4], raw[..., 2:]
-        if kind.startswith("Q5"):
-            out["h"], raw = _planes(raw[..., 2:6], 1, 1), raw[..., 4:]
-        out["q"] = raw[..., 2:] if kind == "Q8_0" else _planes(raw[..., 2:], 16, 4)
-        return out
-    if kind == "Q2_K":
-        scales, qs, d, dmin = _cut(raw, [16, 64, 2, 2])
-        return {"d": d, "dmin": dmin, "scales": scales, "q": _planes(qs, 32, 2)}
-    if kind == "Q3_K":
-        hmask, qs, scales, d = _cut(raw, [32, 64, 12, 2])
-        sc = _planes(scales[..., :8], 8, 4) | (_planes(scales[..., 8:], 4, 2) << 4)
-        return {"d": d, "scales": sc - 32, "q": _planes(qs, 32, 2), "h": _planes(hmask, 32, 1)}
-    if kind in ("Q4_K", "Q5_K"):
-        d, dmin, scales, qh, qs = _cut(raw, [2, 2, 12, 32 if kind == "Q5_K" else 0, 128])
-        a, b, c = scales[..., :4], scales[..., 4:8], scales[..., 8:]
-        sc = torch.cat([a & 63, (c & 15) | ((a >> 2) & 48)], dim=-1)
-        m = torch.cat([b & 63, (c >> 4) | ((b >> 2) & 48)], dim=-1)
-        out = {"d": d, "dmin": dmin, "sc": sc, "m": m, "q": _planes(qs, 32, 4)}
-        return out | ({"h": _planes(qh, 32, 1)} if kind == "Q5_K" else {})
-    assert kind == "Q6_K", kind
-    ql, qh, scales, d = _cut(raw, [128, 64, 16, 2])
-    return {"d": d, "scales": scales, "h": _planes(qh, 32, 2), "q": _planes(ql, 64, 4)}
-
-
 def _join(kind: str, v: dict[str, torch.Tensor]) -> torch.Tensor:
-    """_split's inverse: the blocks [rows, blocks, bytes] as the file has them."""
+    """The blocks [rows, blocks, bytes] as the file has them, from their fields in k order (as gguf.quants unpacks
+    them to dequantize: fp16 fields as their 2 bytes, quants a byte each)."""
     if kind in ("F16", "BF16"):
         return v["w"]
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):

@@ -127,6 +127,7 @@ def test_the_kernels_number_the_kinds_as_layouts_lays_them_out():
     assert set(LAID_OUT) == {"F32", *KINDS}
 
 
+@needs_kernels
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_laid_out_blocks_are_the_files_bytes_rearranged(kind):
     """Laid out and back, the file's bytes, bit for bit (every bit pattern), at about the file's size: RATIO, at most
@@ -141,6 +142,7 @@ def test_laid_out_blocks_are_the_files_bytes_rearranged(kind):
     assert torch.equal(layouts.blocks(kind, lay_out(b), 21).rows, b.rows)
 
 
+@needs_kernels
 def test_lay_out_puts_each_rows_scales_and_quants_where_the_kernel_reads_them():
     """Q4_1, block (panel 0, block 1): d of row 3 at bytes 6-7, m of row 3 at 38-39, q(k = 2g, 2g + 1) of row j in
     byte 64 + 16 g + j. Q8_0: d at 2 j, q(k) of row j at 32 + 16 k + j. Q4_K: row j's 6-bit scale and min of
@@ -161,6 +163,16 @@ def test_lay_out_puts_each_rows_scales_and_quants_where_the_kernel_reads_them():
     sc, m = gguf.quants.Q4_K.get_scale_min(blocks.rows.view(16, 2, 144)[:, 1, 4:16].numpy())
     assert np.array_equal(out[0, 1, 64:192].view(8, 16).T.numpy(), sc)
     assert np.array_equal(out[0, 1, 192:320].view(8, 16).T.numpy(), m)
+
+
+@needs_kernels
+def test_lay_out_refuses_what_is_not_whole_blocks_of_a_gguf_kind():
+    rows = _blocks("Q4_K", 16, 256, 8).rows
+    for bad, kind, match in ((rows, 0, "not a GGUF kind"), (rows, 13, "not a GGUF kind"),
+                             (rows[:, :100], 10, "blocks"), (rows.view(torch.int8), 10, "uint8"),
+                             (rows[:, ::2], 10, "contiguous")):
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.prefixcache.lay_out(bad, kind)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
