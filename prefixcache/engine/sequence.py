@@ -10,6 +10,7 @@ from enum import Enum
 from prefixcache.cache.policy import Breakpoint, WritePolicy
 from prefixcache.cache.scope import CacheScope
 from prefixcache.engine.detokenizer import Detokenizer
+from prefixcache.engine.drafting import Drafting
 from prefixcache.engine.grammar import Guide, Matcher
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
@@ -213,8 +214,7 @@ class Sequence:
         self.samples = [self] if samples is None else samples  # the request's; samples[0] computes the prompt
         self.forks: list[Sequence] = []  # samples waiting to start from this one's prompt (samples[0] only)
         self.cumulative_logprob = 0.0
-        self.draft_len = draft_len  # the next draft's length (speculation); shrinks with rejections, 0 stops
-        self.draft_misses = 0  # drafts in a row with nothing accepted
+        self.drafting = Drafting(draft_len)  # speculation: the next draft's length, and pauses
         self.accepted_draft_tokens = 0
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob | None] | None = \

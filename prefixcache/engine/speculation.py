@@ -12,8 +12,6 @@ from prefixcache.engine.sequence import SamplingParams, Sequence, TokenLogprob
 
 log = logging.getLogger("prefixcache.engine")
 
-DRAFT_MISSES = 3  # a request stops drafting after this many drafts in a row with nothing accepted
-
 
 class Speculation:
     def __init__(self, drafter: Drafter, sampler: Sampler, blocks: BlockManager, num_tokens: int,
@@ -33,15 +31,15 @@ class Speculation:
         budget = self.max_batch_tokens - sum(n for _, n in plan)
         drafts = {}
         for seq, n in plan:
-            if n != 1 or seq.num_uncomputed != 1 or not seq.output_ids or not seq.draft_len or budget <= 0:
+            if n != 1 or seq.num_uncomputed != 1 or not seq.output_ids or budget <= 0 or not seq.drafting.ready():
                 continue
-            k = min(seq.draft_len, budget, seq.params.max_tokens - len(seq.output_ids) - 1,
+            k = min(seq.drafting.length, budget, seq.params.max_tokens - len(seq.output_ids) - 1,
                     self.max_model_len - len(seq.tokens) - 1)
             try:
                 draft = self.drafter.propose(seq.tokens, seq.scope, k) if k > 0 else []
             except Exception:  # a fault in one sequence's drafting: it decodes on without speculation
                 log.exception("drafting failed; the sequence stops drafting")
-                seq.draft_len, draft = 0, []
+                seq.drafting.length, draft = 0, []
             if draft and self.blocks.grow(seq, 1 + len(draft)):
                 seq.tokens += draft
                 drafts[seq.id] = draft
@@ -64,8 +62,6 @@ class Speculation:
             seq.num_computed += 1  # the accepted draft token's K/V, computed in this forward, stand
             accepted += 1
         seq.accepted_draft_tokens += accepted
-        seq.draft_misses = 0 if accepted else seq.draft_misses + 1
-        seq.draft_len = 0 if seq.draft_misses >= DRAFT_MISSES else \
-            self.num_tokens if accepted == len(draft) else accepted + 1
+        seq.drafting.verified(len(draft), accepted, self.num_tokens)
         for key, value in (("drafts", 1), ("draft_tokens", len(draft)), ("accepted_tokens", accepted)):
             self.counts[key] += value
