@@ -245,6 +245,8 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
+constexpr int64_t SERIAL_KEY_DIMS = 2048 * 64;  // attention over at most this many keys x head size: one thread
+
 // Every index attend follows, checked once before any thread runs: order lists each token once, items cut order
 // into runs of at most ITEM_TOKENS, a token's row_seq names a table and its pos lies inside that table, and each
 // table entry a token reads (those up to its pos) is a block of the pool. Entries past every token's pos are not
@@ -331,11 +333,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
   const int64_t span_units = (int64_t)spans.size() / 2 * a.kv_heads;
   std::vector<float> partials(span_units * attn_partial(a));
-  at::parallel_for(0, span_units, 1, [&](int64_t u0, int64_t u1) {
+  // too little to wake another thread for (one sequence of 320 keys, SmolLM2's heads: 16 us a call on one thread, 25
+  // on two; even at 1-4k keys two threads gained nothing measurable): one thread, the same arithmetic
+  const int64_t grain = span_units * SPAN * a.d <= SERIAL_KEY_DIMS ? span_units : 1;
+  at::parallel_for(0, span_units, grain, [&](int64_t u0, int64_t u1) {
     std::vector<float> scratch(attn_scratch(a));
     kern.attend_spans(a, spans.data(), partials.data(), scratch.data(), u0, u1);
   });
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+  at::parallel_for(0, units, grain == 1 ? 1 : units, [&](int64_t u0, int64_t u1) {
     std::vector<float> scratch(attn_scratch(a));
     kern.attend_merge(a, first.data(), partials.data(), scratch.data(), u0, u1);
   });
