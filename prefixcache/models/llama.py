@@ -64,11 +64,10 @@ class Llama:
                                        post_attn=w[p + "post_attention_layernorm.weight"],
                                        post_ffn=w[p + "post_feedforward_layernorm.weight"])
         positions = max_len or c.max_position
-        # by whether a layer is local (Gemma 3's have their own base); a model without local layers has no True
+        # by whether a layer is local: True only where local layers have their own base (Gemma 3's)
         self.rope = {False: rope.Table(c.rope, c.head_dim, positions, self.norm.dtype)}
-        if c.local_layers:
-            self.rope[True] = (rope.Table(c.local_rope, c.head_dim, positions, self.norm.dtype) if c.local_rope
-                               else self.rope[False])
+        if c.local_rope:
+            self.rope[True] = rope.Table(c.local_rope, c.head_dim, positions, self.norm.dtype)
         self.local_layers = frozenset(c.local_layers)
         self.attn_scale = c.attn_scale or c.head_dim ** -0.5
         self.exact: Exactness = rows_plan("", "until the engine sets the probed plan")
@@ -122,6 +121,7 @@ class Llama:
             x = x * c.embed_scale
         positions = F.pad(batch.positions, (0, pad))
         tables = {local: t.rows(positions) for local, t in self.rope.items()}
+        tables.setdefault(True, tables[False])  # local layers without a base of their own: the same rows
         windows = self.windows  # a plan per kind of layer
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if self.paged:

@@ -26,7 +26,7 @@ gc.collect()
 model = llm.engine.runner.model
 held = sum(w.nbytes for w in model.gemm_weights().values())
 _, table = gguf_file._index(model_path(sys.argv[1]), gguf_file.file_digest(model_path(sys.argv[1])))
-tables = sum(t.nbytes for t in set(model.rope.values()))
+tables = sum(t.nbytes for t in model.rope.values())
 print(json.dumps({"grown": rss() - before, "held": held, "file": sum(t["bytes"] for t in table),
                   "tables": tables, "vocab": model.config.vocab_size, "paged": model.paged}))
 """
