@@ -4,7 +4,10 @@ F32: fp32 panels [ceil(n / 16), k, 16], row k of a panel its 16 rows' weights. A
 blocks as shipped, [ceil(n / 16), k / K, bytes], where a panel's block holds K weights along k of its 16 rows as
 fields, one after the other. A field is, for each of its E values in k order, the 16 rows' values side by side: fp16
 scales as fp16 (E x 16 x 2 bytes), quants packed as in the file, 8 / bits a byte (the value of k = i at bits
-bits * (i % (8 / bits)) of byte i / (8 / bits)), 6-bit K-quant scales as a byte each. The last panel is padded with
+bits * (i % (8 / bits)) of byte i / (8 / bits)), but 5- and 6-bit quants (the fifth or the two high bits joined to
+the nibble) eight in `bits` bytes: of k = 8e.. 8e + 7, byte bits * e + j holds k = 8e + j in its top bits and, in its
+low 8 - bits, bits (8 - bits) * j.. of k = 8e + bits.., one after the other, so that most weights are a mask away
+from a byte; 6-bit K-quant scales as a byte each. The last panel is padded with
 zero rows. Laid out, a weight is the file's size (1.0x) but for Q3_K (1.036x), Q4_K (1.028x) and Q5_K (1.023x),
 whose unpacked scales take 4 bytes more a row and super-block; tests/models/test_quant.py holds each to it.
 """
@@ -21,14 +24,14 @@ FIELDS = {
     "BF16": (2, [("w", _HALF, 2)]),
     "Q4_0": (32, [("d", _HALF, 1), ("q", 4, 32)]),
     "Q4_1": (32, [("d", _HALF, 1), ("m", _HALF, 1), ("q", 4, 32)]),
-    "Q5_0": (32, [("d", _HALF, 1), ("h", 1, 32), ("q", 4, 32)]),
-    "Q5_1": (32, [("d", _HALF, 1), ("m", _HALF, 1), ("h", 1, 32), ("q", 4, 32)]),
+    "Q5_0": (32, [("d", _HALF, 1), ("q", 5, 32)]),
+    "Q5_1": (32, [("d", _HALF, 1), ("m", _HALF, 1), ("q", 5, 32)]),
     "Q8_0": (32, [("d", _HALF, 1), ("q", 8, 32)]),
     "Q2_K": (256, [("d", _HALF, 1), ("dmin", _HALF, 1), ("scales", 8, 16), ("q", 2, 256)]),
     "Q3_K": (256, [("d", _HALF, 1), ("scales", 8, 16), ("q", 2, 256), ("h", 1, 256)]),
     "Q4_K": (256, [("d", _HALF, 1), ("dmin", _HALF, 1), ("sc", 8, 8), ("m", 8, 8), ("q", 4, 256)]),
-    "Q5_K": (256, [("d", _HALF, 1), ("dmin", _HALF, 1), ("sc", 8, 8), ("m", 8, 8), ("h", 1, 256), ("q", 4, 256)]),
-    "Q6_K": (256, [("d", _HALF, 1), ("scales", 8, 16), ("h", 2, 256), ("q", 4, 256)]),
+    "Q5_K": (256, [("d", _HALF, 1), ("dmin", _HALF, 1), ("sc", 8, 8), ("m", 8, 8), ("q", 5, 256)]),
+    "Q6_K": (256, [("d", _HALF, 1), ("scales", 8, 16), ("q", 6, 256)]),
 }
 # weights along k in one block of a panel, and its bytes (csrc/kernels.h KINDS)
 LAID_OUT = {"F32": (1, 64)} | {kind: (k, 16 * sum(bits * n // 8 for _, bits, n in fields))
@@ -71,6 +74,8 @@ def blocks(kind: str, laid: torch.Tensor, n: int) -> Blocks:
         field = field.view(count, nb, -1, 16).permute(0, 3, 1, 2).reshape(count * 16, nb, -1)  # [rows, blocks, E]
         if bits == _HALF:
             values[name] = field.reshape(-1).view(torch.uint8).view(count * 16, nb, -1)
+        elif bits in (5, 6):
+            values[name] = _wide(field, bits)
         else:
             values[name] = _planes(field, 1, bits)
     return Blocks(kind, _join(kind, values)[:n].reshape(n, -1))
@@ -82,6 +87,15 @@ def _planes(b: torch.Tensor, run: int, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8).view(-1, 1)
     v = (b.reshape(*b.shape[:-1], -1, 1, run) >> shifts) & ((1 << bits) - 1)
     return v.reshape(*b.shape[:-1], -1)
+
+
+def _wide(b: torch.Tensor, bits: int) -> torch.Tensor:
+    """5- or 6-bit values eight in `bits` bytes [..., bits * E / 8] (the module's docstring) -> [..., E]."""
+    spare = 8 - bits
+    b = b.reshape(*b.shape[:-1], -1, bits).int()
+    rest = sum((b[..., j] & ((1 << spare) - 1)) << (spare * j) for j in range(bits))
+    others = [(rest >> (bits * i)) & ((1 << bits) - 1) for i in range(spare)]
+    return torch.cat([b >> spare, torch.stack(others, dim=-1)], dim=-1).reshape(*b.shape[:-2], -1).to(torch.uint8)
 
 
 def _unplanes(v: torch.Tensor, run: int, bits: int) -> torch.Tensor:
@@ -100,8 +114,9 @@ def _join(kind: str, v: dict[str, torch.Tensor]) -> torch.Tensor:
         return v["w"]
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         parts = [v["d"]] + ([v["m"]] if kind in ("Q4_1", "Q5_1") else [])
-        parts += [_unplanes(v["h"], 1, 1)] if kind.startswith("Q5") else []
-        return torch.cat(parts + [v["q"] if kind == "Q8_0" else _unplanes(v["q"], 16, 4)], dim=-1)
+        q = v["q"]
+        parts += [_unplanes(q >> 4, 1, 1)] if kind.startswith("Q5") else []
+        return torch.cat(parts + [q if kind == "Q8_0" else _unplanes(q & 15, 16, 4)], dim=-1)
     if kind == "Q2_K":
         return torch.cat([v["scales"], _unplanes(v["q"], 32, 2), v["d"], v["dmin"]], dim=-1)
     if kind == "Q3_K":
@@ -112,6 +127,8 @@ def _join(kind: str, v: dict[str, torch.Tensor]) -> torch.Tensor:
         sc, m = v["sc"], v["m"]
         scales = torch.cat([sc[..., :4] | ((sc[..., 4:] & 48) << 2), m[..., :4] | ((m[..., 4:] & 48) << 2),
                             (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], dim=-1)
-        qh = [_unplanes(v["h"], 32, 1)] if kind == "Q5_K" else []
-        return torch.cat([v["d"], v["dmin"], scales, *qh, _unplanes(v["q"], 32, 4)], dim=-1)
-    return torch.cat([_unplanes(v["q"], 64, 4), _unplanes(v["h"], 32, 2), v["scales"], v["d"]], dim=-1)
+        q = v["q"]
+        qh = [_unplanes(q >> 4, 32, 1)] if kind == "Q5_K" else []
+        return torch.cat([v["d"], v["dmin"], scales, *qh, _unplanes(q & 15, 32, 4)], dim=-1)
+    q = v["q"]
+    return torch.cat([_unplanes(q & 15, 64, 4), _unplanes(q >> 4, 32, 2), v["scales"], v["d"]], dim=-1)

@@ -27,14 +27,14 @@ constexpr Spec SPECS[NUM_KINDS] = {
     {2, 4, 1, {HALF}, {2}},                                          // BF16
     {32, 18, 2, {HALF, 4}, {1, 32}},                                 // Q4_0
     {32, 20, 3, {HALF, HALF, 4}, {1, 1, 32}},                        // Q4_1
-    {32, 22, 3, {HALF, 1, 4}, {1, 32, 32}},                          // Q5_0
-    {32, 24, 4, {HALF, HALF, 1, 4}, {1, 1, 32, 32}},                 // Q5_1
+    {32, 22, 2, {HALF, 5}, {1, 32}},                                 // Q5_0
+    {32, 24, 3, {HALF, HALF, 5}, {1, 1, 32}},                        // Q5_1
     {32, 34, 2, {HALF, 8}, {1, 32}},                                 // Q8_0
     {256, 84, 4, {HALF, HALF, 8, 2}, {1, 1, 16, 256}},               // Q2_K
     {256, 110, 4, {HALF, 8, 2, 1}, {1, 16, 256, 256}},               // Q3_K
     {256, 144, 5, {HALF, HALF, 8, 8, 4}, {1, 1, 8, 8, 256}},         // Q4_K
-    {256, 176, 6, {HALF, HALF, 8, 8, 1, 4}, {1, 1, 8, 8, 256, 256}}, // Q5_K
-    {256, 210, 4, {HALF, 8, 2, 4}, {1, 16, 256, 256}},               // Q6_K
+    {256, 176, 5, {HALF, HALF, 8, 8, 5}, {1, 1, 8, 8, 256}},         // Q5_K
+    {256, 210, 3, {HALF, 8, 6}, {1, 16, 256}},                       // Q6_K
 };
 
 constexpr int laid_bytes(const Spec& s) {
@@ -82,8 +82,10 @@ void split(int kind, const uint8_t* b, Values& v) {
       int f = 0, at = 0;
       v[f++][0] = half(b), at = 2;
       if (kind == 4 || kind == 6) v[f++][0] = half(b + 2), at = 4;
-      if (kind >= 5) planes(b + at, 4, 1, 1, v[f++]), at += 4;
+      uint16_t fifth[32] = {};
+      if (kind >= 5) planes(b + at, 4, 1, 1, fifth), at += 4;
       planes(b + at, 16, 16, 4, v[f]);
+      for (int i = 0; i < 32; i++) v[f][i] |= fifth[i] << 4;
       return;
     }
     case 7:  // Q8_0
@@ -108,27 +110,45 @@ void split(int kind, const uint8_t* b, Values& v) {
     case 10: case 11: {  // Q4_K, Q5_K: d dmin scales[12] (qh[32]) qs[128]
       v[0][0] = half(b), v[1][0] = half(b + 2);
       scales_mins(b + 4, v[2], v[3]);
-      if (kind == 11) planes(b + 16, 32, 32, 1, v[4]);
-      planes(b + (kind == 11 ? 48 : 16), 128, 32, 4, v[kind == 11 ? 5 : 4]);
+      uint16_t fifth[256] = {};
+      if (kind == 11) planes(b + 16, 32, 32, 1, fifth);
+      planes(b + (kind == 11 ? 48 : 16), 128, 32, 4, v[4]);
+      for (int i = 0; i < 256; i++) v[4][i] |= fifth[i] << 4;
       return;
     }
-    case 12:  // Q6_K: ql[128] qh[64] scales[16] d
+    case 12: {  // Q6_K: ql[128] qh[64] scales[16] d; each q its low nibble | its high 2 bits << 4
+      uint16_t high[256];
       v[0][0] = half(b + 208);
       for (int i = 0; i < 16; i++) v[1][i] = b[192 + i];
-      planes(b + 128, 64, 32, 2, v[2]);
-      planes(b, 128, 64, 4, v[3]);
+      planes(b + 128, 64, 32, 2, high);
+      planes(b, 128, 64, 4, v[2]);
+      for (int i = 0; i < 256; i++) v[2][i] |= high[i] << 4;
       return;
+    }
   }
 }
 
 // the fields of lane l's block into a panel's block: a half's value e at bytes 2 (16 e + l); a packed field's byte e
-// (its values e * 8 / bits.., the first in the low bits) at 16 e + l
+// (its values e * 8 / bits.., the first in the low bits) at 16 e + l; 5- or 6-bit values eight in `bits` bytes: of
+// values 8e.. 8e + 7, byte bits e + j holds value 8e + j in its top bits and, in its low 8 - bits, bits (8 - bits) j..
+// of the others, values 8e + bits.. one after the other from bit 0
 void pack(const Spec& s, const Values& v, int l, uint8_t* out) {
   for (int f = 0; f < s.fields; f++) {
     const int bits = s.bits[f], n = s.values[f];
     if (bits == HALF) {
       for (int e = 0; e < n; e++) std::memcpy(out + 2 * (16 * e + l), &v[f][e], 2);
       out += 32 * n;
+      continue;
+    }
+    if (bits == 5 || bits == 6) {
+      const int spare = 8 - bits;
+      for (int e = 0; e < n / 8; e++) {
+        uint32_t rest = 0;
+        for (int i = 0; i < spare; i++) rest |= (uint32_t)v[f][8 * e + bits + i] << bits * i;
+        for (int j = 0; j < bits; j++)
+          out[16 * (bits * e + j) + l] = (uint8_t)(v[f][8 * e + j] << spare | (rest >> spare * j & ((1 << spare) - 1)));
+      }
+      out += 16 * n * bits / 8;
       continue;
     }
     const int per = 8 / bits;
