@@ -4,8 +4,8 @@ F32: fp32 panels [ceil(n / 16), k, 16], row k of a panel its 16 rows' weights. A
 blocks as shipped, [ceil(n / 16), k / K, bytes], where a panel's block holds K weights along k of its 16 rows as
 fields, one after the other. A field is, for each of its E values in k order, the 16 rows' values side by side: fp16
 scales as fp16 (E x 16 x 2 bytes), quants packed as in the file, 8 / bits a byte (the value of k = i at bits
-bits * (i % (8 / bits)) of byte i / (8 / bits)), but 5- and 6-bit quants (the fifth or the two high bits joined to
-the nibble) eight in `bits` bytes: of k = 8e.. 8e + 7, byte bits * e + j holds k = 8e + j in its top bits and, in its
+bits * (i % (8 / bits)) of byte i / (8 / bits)), but 3-, 5- and 6-bit quants (their high bits joined to the low
+ones) eight in `bits` bytes: of k = 8e.. 8e + 7, byte bits * e + j holds k = 8e + j in its top bits and, in its
 low 8 - bits, bits (8 - bits) * j.. of k = 8e + bits.., one after the other, so that most weights are a mask away
 from a byte; 6-bit K-quant scales as a byte each. The last panel is padded with
 zero rows. Laid out, a weight is the file's size (1.0x) but for Q3_K (1.036x), Q4_K (1.028x) and Q5_K (1.023x),
@@ -28,7 +28,7 @@ FIELDS = {
     "Q5_1": (32, [("d", _HALF, 1), ("m", _HALF, 1), ("q", 5, 32)]),
     "Q8_0": (32, [("d", _HALF, 1), ("q", 8, 32)]),
     "Q2_K": (256, [("d", _HALF, 1), ("dmin", _HALF, 1), ("scales", 8, 16), ("q", 2, 256)]),
-    "Q3_K": (256, [("d", _HALF, 1), ("scales", 8, 16), ("q", 2, 256), ("h", 1, 256)]),
+    "Q3_K": (256, [("d", _HALF, 1), ("scales", 8, 16), ("q", 3, 256)]),
     "Q4_K": (256, [("d", _HALF, 1), ("dmin", _HALF, 1), ("sc", 8, 8), ("m", 8, 8), ("q", 4, 256)]),
     "Q5_K": (256, [("d", _HALF, 1), ("dmin", _HALF, 1), ("sc", 8, 8), ("m", 8, 8), ("q", 5, 256)]),
     "Q6_K": (256, [("d", _HALF, 1), ("scales", 8, 16), ("q", 6, 256)]),
@@ -74,7 +74,7 @@ def blocks(kind: str, laid: torch.Tensor, n: int) -> Blocks:
         field = field.view(count, nb, -1, 16).permute(0, 3, 1, 2).reshape(count * 16, nb, -1)  # [rows, blocks, E]
         if bits == _HALF:
             values[name] = field.reshape(-1).view(torch.uint8).view(count * 16, nb, -1)
-        elif bits in (5, 6):
+        elif bits in (3, 5, 6):
             values[name] = _wide(field, bits)
         else:
             values[name] = _planes(field, 1, bits)
@@ -90,7 +90,7 @@ def _planes(b: torch.Tensor, run: int, bits: int) -> torch.Tensor:
 
 
 def _wide(b: torch.Tensor, bits: int) -> torch.Tensor:
-    """5- or 6-bit values eight in `bits` bytes [..., bits * E / 8] (the module's docstring) -> [..., E]."""
+    """3-, 5- or 6-bit values eight in `bits` bytes [..., bits * E / 8] (the module's docstring) -> [..., E]."""
     spare = 8 - bits
     b = b.reshape(*b.shape[:-1], -1, bits).int()
     rest = sum((b[..., j] & ((1 << spare) - 1)) << (spare * j) for j in range(bits))
@@ -122,7 +122,8 @@ def _join(kind: str, v: dict[str, torch.Tensor]) -> torch.Tensor:
     if kind == "Q3_K":
         sc = v["scales"] + 32
         scales = torch.cat([_unplanes(sc & 15, 8, 4), _unplanes(sc >> 4, 4, 2)], dim=-1)
-        return torch.cat([_unplanes(v["h"], 32, 1), _unplanes(v["q"], 32, 2), scales, v["d"]], dim=-1)
+        q = v["q"]
+        return torch.cat([_unplanes(q >> 2, 32, 1), _unplanes(q & 3, 32, 2), scales, v["d"]], dim=-1)
     if kind in ("Q4_K", "Q5_K"):
         sc, m = v["sc"], v["m"]
         scales = torch.cat([sc[..., :4] | ((sc[..., 4:] & 48) << 2), m[..., :4] | ((m[..., 4:] & 48) << 2),

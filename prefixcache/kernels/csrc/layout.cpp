@@ -31,7 +31,7 @@ constexpr Spec SPECS[NUM_KINDS] = {
     {32, 24, 3, {HALF, HALF, 5}, {1, 1, 32}},                        // Q5_1
     {32, 34, 2, {HALF, 8}, {1, 32}},                                 // Q8_0
     {256, 84, 4, {HALF, HALF, 8, 2}, {1, 1, 16, 256}},               // Q2_K
-    {256, 110, 4, {HALF, 8, 2, 1}, {1, 16, 256, 256}},               // Q3_K
+    {256, 110, 3, {HALF, 8, 3}, {1, 16, 256}},                       // Q3_K
     {256, 144, 5, {HALF, HALF, 8, 8, 4}, {1, 1, 8, 8, 256}},         // Q4_K
     {256, 176, 5, {HALF, HALF, 8, 8, 5}, {1, 1, 8, 8, 256}},         // Q5_K
     {256, 210, 3, {HALF, 8, 6}, {1, 16, 256}},                       // Q6_K
@@ -101,10 +101,12 @@ void split(int kind, const uint8_t* b, Values& v) {
       uint16_t lo[16], hi[16];
       planes(b + 96, 8, 8, 4, lo);
       planes(b + 104, 4, 4, 2, hi);
+      uint16_t third[256];
       v[0][0] = half(b + 108);
       for (int i = 0; i < 16; i++) v[1][i] = (uint8_t)((lo[i] | hi[i] << 4) - 32);
       planes(b + 32, 64, 32, 2, v[2]);
-      planes(b, 32, 32, 1, v[3]);
+      planes(b, 32, 32, 1, third);
+      for (int i = 0; i < 256; i++) v[2][i] |= third[i] << 2;
       return;
     }
     case 10: case 11: {  // Q4_K, Q5_K: d dmin scales[12] (qh[32]) qs[128]
@@ -129,7 +131,7 @@ void split(int kind, const uint8_t* b, Values& v) {
 }
 
 // the fields of lane l's block into a panel's block: a half's value e at bytes 2 (16 e + l); a packed field's byte e
-// (its values e * 8 / bits.., the first in the low bits) at 16 e + l; 5- or 6-bit values eight in `bits` bytes: of
+// (its values e * 8 / bits.., the first in the low bits) at 16 e + l; 3-, 5- or 6-bit values eight in `bits` bytes: of
 // values 8e.. 8e + 7, byte bits e + j holds value 8e + j in its top bits and, in its low 8 - bits, bits (8 - bits) j..
 // of the others, values 8e + bits.. one after the other from bit 0
 void pack(const Spec& s, const Values& v, int l, uint8_t* out) {
@@ -140,7 +142,7 @@ void pack(const Spec& s, const Values& v, int l, uint8_t* out) {
       out += 32 * n;
       continue;
     }
-    if (bits == 5 || bits == 6) {
+    if (bits == 3 || bits == 5 || bits == 6) {
       const int spare = 8 - bits;
       for (int e = 0; e < n / 8; e++) {
         uint32_t rest = 0;
