@@ -17,7 +17,7 @@ class Cache(Protocol):
         """The longest cached prefix of `tokens`, at most `limit` tokens long (keys[j], scopes[j]: full block j)."""
 
     def insert(self, parent: Node | None, key: bytes, scope: bytes, tokens: tuple[int, ...], block: int,
-               ttl: float | None, priority: int, owner: Hashable = None) -> tuple[Node | None, bool]:
+               ttl: float | None, priority: int, owner: Hashable = None, adapter: str = "") -> tuple[Node | None, bool]:
         """Publish a computed block under `parent`: (its node, whether created); no node on a hash collision."""
 
     def get(self, key: bytes) -> Node | None:
@@ -25,6 +25,9 @@ class Cache(Protocol):
 
     def owner(self, node: Node) -> Hashable:
         """Whose a cached block is: its scope's owner."""
+
+    def adapter(self, node: Node) -> str:
+        """The LoRA adapter a cached block was computed with (its scope's `adapter` field; "" for none)."""
 
     def reuse(self, nodes: list[Node]) -> None:
         """A request's match is in use: count it on each of its blocks, and touch them."""

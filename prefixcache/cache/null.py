@@ -18,7 +18,7 @@ class NullCache:
         return Match([])
 
     def insert(self, parent: Node | None, key: bytes, scope: bytes, tokens: tuple[int, ...], block: int,
-               ttl: float | None, priority: int, owner: Hashable = None) -> tuple[None, bool]:
+               ttl: float | None, priority: int, owner: Hashable = None, adapter: str = "") -> tuple[None, bool]:
         return None, False
 
     def get(self, key: bytes) -> None:
@@ -26,6 +26,9 @@ class NullCache:
 
     def owner(self, node: Node) -> Hashable:
         raise KeyError(node.scope)  # no node is ever this cache's
+
+    def adapter(self, node: Node) -> str:
+        raise KeyError(node.scope)
 
     def reuse(self, nodes: list[Node]) -> None:
         pass

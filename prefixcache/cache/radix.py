@@ -40,7 +40,7 @@ class PrefixCache:
         self.evictions: Counter[str] = Counter()
         self.num_pinned = 0  # blocks that eviction may never take
         self.misses = Misses()
-        self.scopes: dict[bytes, list] = {}  # scope key -> [owner, live nodes]: bounded by the nodes
+        self.scopes: dict[bytes, list] = {}  # scope key -> [owner, live nodes, adapter]: bounded by the nodes
         self.listeners: list[Listener] = []
         self.shares: dict[Hashable, float] = {}  # owner group -> guaranteed fraction of the pool (set_shares)
         self.group: Callable[[Hashable], Hashable] = lambda owner: owner
@@ -79,9 +79,10 @@ class PrefixCache:
         return result
 
     def insert(self, parent: Node | None, key: bytes, scope: bytes, tokens: tuple[int, ...], block: int,
-               ttl: float | None, priority: int, owner: Hashable = None) -> tuple[Node | None, bool]:
+               ttl: float | None, priority: int, owner: Hashable = None, adapter: str = "") -> tuple[Node | None, bool]:
         """Publish a computed block (the cache takes its own reference). Returns (node, created); node is None
-        on a hash collision, which is never resolved in favour of either side. `owner` owns the scope's entries."""
+        on a hash collision, which is never resolved in favour of either side. `owner` owns the scope's entries,
+        computed with `adapter`."""
         node = self.nodes.get(key)
         if node is not None and (node.tokens != tokens or node.parent is not parent and parent is not None):
             return None, False
@@ -97,7 +98,7 @@ class PrefixCache:
         node = Node(key, parent, scope, tokens, block, ttl=ttl, priority=priority,
                     content=block_key(parent.content, b"", np.asarray(tokens, dtype=np.int32).tobytes()))
         self.misses.stored(key, node.content)
-        self.scopes.setdefault(scope, [owner, 0])[1] += 1
+        self.scopes.setdefault(scope, [owner, 0, adapter])[1] += 1
         self.pool.ref(block)
         parent.children[key] = node
         self.nodes[key] = node
@@ -113,6 +114,9 @@ class PrefixCache:
 
     def owner(self, node: Node) -> Hashable:
         return self.scopes[node.scope][0]
+
+    def adapter(self, node: Node) -> str:
+        return self.scopes[node.scope][2]
 
     def reuse(self, nodes: list[Node]) -> None:
         """A request's match is in use: count it on each of its blocks, and touch them."""
@@ -141,7 +145,7 @@ class PrefixCache:
 
     def blocks_by_owner(self) -> Counter:
         held: Counter = Counter()
-        for owner, live in self.scopes.values():
+        for owner, live, _ in self.scopes.values():
             held[owner] += live
         return held
 
@@ -184,7 +188,7 @@ class PrefixCache:
 
     def purge_owner(self, owner: Hashable) -> int:
         """Drop every unreferenced entry of every scope `owner` owns. Returns blocks freed."""
-        return self._purge({key for key, (o, _) in self.scopes.items() if o == owner})
+        return self._purge({key for key, (o, _, _) in self.scopes.items() if o == owner})
 
     def explain(self, key: bytes) -> str | None:
         """Why the block with this key is not matchable: "expired", "evicted" (or purged), or None if unknown."""

@@ -10,7 +10,9 @@ hash with `lora_name` alone; they do not read `extra_keys`. So a block that not 
 tenant's, other labels' or a salted scope's) gets an opaque `lora_name` of its scope, "scope:<hex>", that no
 request names: such routers then never predict, for one tenant's request, a hit on another's entries (the engine
 would refuse it, and the routing choice would tell of them). Only public blocks (the declared shared scope, or the
-one tenant of a server without keys) route by their tokens, and only with `include_token_ids` true: by default
+one tenant of a server without keys) route by their tokens, a LoRA adapter's with its `lora_id` and `lora_name` as
+vLLM sends them (its place in --lora-modules from 1, and its name), so that a router takes an adapter's blocks only
+for requests that name it; and only with `include_token_ids` true: by default
 `token_ids` is an empty list (vLLM's schema decodes it; routers that hash tokens cannot index such blocks), so the
 bus carries no tenant's prompts unless the operator opts in for a router that needs them. `event_encoding` "array"
 sends events as older vLLM did, for consumers built on it: positional arrays [tag, fields...], and block
@@ -109,8 +111,9 @@ class EventsConfig:
 class ZmqEvents:
     """The cache listener and its publisher thread. Sockets are bound here, so a bad endpoint fails startup."""
 
-    def __init__(self, cfg: EventsConfig, block_size: int, owner: Callable[[Node], Hashable]):
-        self.cfg, self.block_size, self.owner = cfg, block_size, owner
+    def __init__(self, cfg: EventsConfig, block_size: int, owner: Callable[[Node], Hashable],
+                 lora: Callable[[Node], tuple[int, str] | None]):
+        self.cfg, self.block_size, self.owner, self.lora = cfg, block_size, owner, lora
         self.ctx = zmq.Context.instance()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.set_hwm(cfg.hwm)
@@ -137,8 +140,9 @@ class ZmqEvents:
     def stored(self, node: Node) -> None:
         parent = node.parent.key if node.parent.tokens else None  # a first block's parent is its scope's root
         tokens = list(node.tokens) if self.cfg.include_token_ids else []
-        private = None if self.owner(node) in PUBLIC_OWNERS else f"scope:{node.scope.hex()}"
-        self._add(BlockStored([node.key], parent, tokens, self.block_size, None, MEDIUM, private,
+        lora_id, lora_name = (self.lora(node) or (None, None)) if self.owner(node) in PUBLIC_OWNERS else \
+            (None, f"scope:{node.scope.hex()}")
+        self._add(BlockStored([node.key], parent, tokens, self.block_size, lora_id, MEDIUM, lora_name,
                               [(node.scope.hex(),)]))
 
     def removed(self, node: Node, reason: str) -> None:
@@ -197,11 +201,13 @@ class ZmqEvents:
                 sock.close(linger=0)
 
 
-def open_events(config_text: str, block_size: int, owner: Callable[[Node], Hashable]) -> ZmqEvents | None:
+def open_events(config_text: str, block_size: int, owner: Callable[[Node], Hashable],
+                lora: Callable[[Node], tuple[int, str] | None]) -> ZmqEvents | None:
     """The publisher a --kv-events-config asks for (None: none, or publisher null); `owner` tells whose a cached
-    block is. A ValueError says what is wrong with the config, or that its endpoint cannot be opened."""
+    block is, `lora` the (id, name) of the LoRA adapter it was computed with, if any. A ValueError says what is wrong
+    with the config, or that its endpoint cannot be opened."""
     cfg = EventsConfig.parse(config_text)
-    return ZmqEvents(cfg, block_size, owner) if cfg.enable_kv_cache_events and cfg.publisher == "zmq" else None
+    return ZmqEvents(cfg, block_size, owner, lora) if cfg.enable_kv_cache_events and cfg.publisher == "zmq" else None
 
 
 def _int_hashes(value):

@@ -56,6 +56,10 @@ class BlockManager:
         """Whose a cached block is: its scope's tenant and labels."""
         return self.cache.owner(node)
 
+    def adapter(self, node: Node) -> str:
+        """The fingerprint of the LoRA adapter a cached block was computed with ("" for none)."""
+        return self.cache.adapter(node)
+
     def listen(self, listener: Listener) -> None:
         """Tell `listener` of every full block that enters or leaves the cache (KV events)."""
         assert self.cache.enabled, "KV events need the prefix cache"
@@ -158,7 +162,7 @@ class BlockManager:
             scope = self.scope_at(seq, end)
             node, created = self.cache.insert(c.nodes[-1] if j else None, c.keys[j], scope.key,
                                               tuple(seq.tokens[j * self.bs:end]), seq.block_table[j], ttl,
-                                              seq.priority, scope.owner)
+                                              seq.priority, scope.owner, scope.adapter)
             if node is None:
                 return
             if node.block != seq.block_table[j]:  # someone published the same block first: share theirs
@@ -272,12 +276,14 @@ class BlockManager:
                 return
             block = self.pool.allocate(1)[0]
             self.pool.copy(seq.block_table[j], block)
-            node, created = self.cache.insert(parent, key, scope.key, tokens, block, ttl, seq.priority, scope.owner)
+            node, created = self.cache.insert(parent, key, scope.key, tokens, block, ttl, seq.priority, scope.owner,
+                                              scope.adapter)
             self.pool.unref(block)  # the cache now holds the only reference
             if created:
                 self._count_write(seq, j * self.bs, p, label)
         else:
-            self.cache.insert(parent, key, scope.key, tokens, existing.block, ttl, seq.priority, scope.owner)
+            self.cache.insert(parent, key, scope.key, tokens, existing.block, ttl, seq.priority, scope.owner,
+                              scope.adapter)
 
     def _extend_keys(self, seq: Sequence, n_full: int) -> None:
         keys = seq.cache.keys

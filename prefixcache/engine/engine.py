@@ -95,7 +95,7 @@ class Engine:
             raise ValueError("--kv-events-config: KV events need the prefix cache")
         self.events = None
         if config.kv_events_config:
-            self.events = open_events(config.kv_events_config, config.block_size, self.blocks.owner)
+            self.events = open_events(config.kv_events_config, config.block_size, self.blocks.owner, self.lora)
             self.blocks.listen(self.events)
         self.cost = StepCost()
         pace = Pace(config.slo_ttft_ms and config.slo_ttft_ms / 1000, config.slo_tpot_ms and config.slo_tpot_ms / 1000,
@@ -288,6 +288,12 @@ class Engine:
         """The request scope with this engine's fingerprint (weights and arithmetic) and the adapter's filled in."""
         return dataclasses.replace(scope or CacheScope(), fingerprint=self.fingerprint,
                                    adapter=self.adapters[adapter].fingerprint if adapter else "")
+
+    def lora(self, node) -> tuple[int, str] | None:
+        """A cached block's LoRA adapter as vLLM's KV events name it: its place in --lora-modules from 1, its name."""
+        fingerprint = self.blocks.adapter(node)
+        return next(((i, a.name) for i, a in enumerate(self.adapters.values(), 1) if a.fingerprint == fingerprint),
+                    None) if fingerprint else None
 
     def close(self) -> None:
         """Finish the tiers' queued writes and the KV events, and stop their threads."""

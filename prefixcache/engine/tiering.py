@@ -162,7 +162,8 @@ class Tiering:
                 tokens = tuple(seq.tokens[j * self.bs:(j + 1) * self.bs])  # what the record's MAC was checked on
                 self.loading = True
                 node, _ = self.cache.insert(parent, c.keys[j], scope.key, tokens, block,
-                                            c.policy.ttl((j + 1) * self.bs)[0], seq.priority, scope.owner)
+                                            c.policy.ttl((j + 1) * self.bs)[0], seq.priority, scope.owner,
+                                            scope.adapter)
                 self.loading = False
                 self.pool.unref(block)
                 if node is None:

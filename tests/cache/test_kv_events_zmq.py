@@ -7,6 +7,7 @@ import time
 import msgspec
 import pytest
 import zmq
+from lora_adapters import write_adapter
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.cache.scope import CacheScope
@@ -136,6 +137,27 @@ def test_the_cache_in_vllms_kv_events_live_and_replayed(tiny_model, tmp_path):
         sub.disable_monitor()
         connected.close(linger=0)
         sub.close(linger=0)
+
+
+def test_an_adapters_public_blocks_carry_its_id_and_name_as_vllms_do(tiny_model, tmp_path):
+    """Routers seed their token hashes with lora_name: an adapter's blocks carry its id (its place in --lora-modules,
+    from 1) and name, so they are predicted only for requests that name it; the base model's carry none, and another
+    tenant's stay opaque whatever their adapter."""
+    support = write_adapter(str(tmp_path / "support"), tiny_model, ["q_proj", "v_proj"], seed=1)
+    legal = write_adapter(str(tmp_path / "legal"), tiny_model, ["q_proj"], seed=2)
+    llm = LLM(model=tiny_model, lora_modules=f"support={support},legal={legal}", kv_events_config=config(tmp_path))
+    try:
+        until_sent(llm, 1)
+        for adapter, lora in [("", (None, None)), ("legal", (2, "legal")), ("support", (1, "support"))]:
+            sent = llm.engine.events.sent
+            llm.generate([PROMPT], ONE, adapter=adapter)
+            assert [(e.lora_id, e.lora_name) for e in replayed(tmp_path, sent, BlockStored, 2)] == [lora] * 2
+        sent = llm.engine.events.sent
+        llm.generate([PROMPT], ONE, scope=CacheScope(tenant="globex"), adapter="support")
+        theirs = replayed(tmp_path, sent, BlockStored, 2)
+        assert all(e.lora_id is None and e.lora_name == f"scope:{e.extra_keys[0][0]}" for e in theirs)
+    finally:
+        llm.engine.close()
 
 
 @pytest.mark.parametrize("setting", [{}, {"include_token_ids": False}])
