@@ -24,6 +24,10 @@ GGUF_NAMES = {
 }
 
 
+LEVEL_KINDS = {"IQ4_NL": 1e-3, "IQ4_XS": 1e-4}  # kinds gguf cannot quantize: their scales' spread (IQ4_XS's own
+# 6-bit scales multiply by up to 32)
+
+
 def write_gguf(folder: str, path: str, kind_of, rope_factors: bool = False, arch: str = "") -> str:
     """A GGUF of the HF model in `folder`; `kind_of(gguf name)` gives each 2-D weight's type ("F32" for none; a type
     the gguf package cannot quantize gets random blocks). With `rope_factors`, a Llama 3.x config's RoPE scaling is
@@ -63,8 +67,12 @@ def write_gguf(folder: str, path: str, kind_of, rope_factors: bool = False, arch
                 blocks = gguf.quants.quantize(data, qtype)
             except NotImplementedError:
                 block, size = gguf.GGML_QUANT_SIZES[qtype]
-                blocks = np.random.default_rng(0).integers(0, 256, (data.shape[0], data.shape[1] // block * size),
-                                                           dtype=np.uint8)
+                rng = np.random.default_rng(0)
+                blocks = rng.integers(0, 256, (data.shape[0], data.shape[1] // block, size), dtype=np.uint8)
+                if kind in LEVEL_KINDS:  # a block's fp16 scale first: small, so the weights are of a model's size
+                    d = rng.normal(0, LEVEL_KINDS[kind], blocks.shape[:2]).astype(np.float16)
+                    blocks[..., :2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+                blocks = blocks.reshape(data.shape[0], -1)
             w.add_tensor(g, blocks, raw_dtype=qtype)
     if rope_factors:
         w.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))

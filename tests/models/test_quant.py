@@ -22,9 +22,10 @@ BUILDS = [KernelOps(isa) for isa in kernels.ISAS if AVAILABLE and isa in torch.o
 needs_kernels = pytest.mark.skipif(not AVAILABLE, reason=f"kernels: {kernels.choose('auto').status}")
 LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 HALVES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82], "Q3_K": [108],
-          "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}  # where each block's fp16 scales lie in the file
+          "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}  # each block's fp16 scales
 # laid-out bytes over the file's, n a multiple of 16: the K-quants' 6-bit scales unpacked to a byte each
-RATIO = {kind: 1.0 for kind in KINDS} | {"Q3_K": 1824 / 1760, "Q4_K": 2368 / 2304, "Q5_K": 2880 / 2816}
+RATIO = {kind: 1.0 for kind in KINDS} | {"Q3_K": 1824 / 1760, "Q4_K": 2368 / 2304, "Q5_K": 2880 / 2816,
+                                         "IQ4_XS": 2208 / 2176}
 
 
 def _blocks(kind: str, n: int, k: int, seed: int, quantized: bool = False) -> Blocks:
@@ -168,7 +169,7 @@ def test_lay_out_puts_each_rows_scales_and_quants_where_the_kernel_reads_them():
 @needs_kernels
 def test_lay_out_refuses_what_is_not_whole_blocks_of_a_gguf_kind():
     rows = _blocks("Q4_K", 16, 256, 8).rows
-    for bad, kind, match in ((rows, 0, "not a GGUF kind"), (rows, 13, "not a GGUF kind"),
+    for bad, kind, match in ((rows, 0, "not a GGUF kind"), (rows, len(LAID_OUT), "not a GGUF kind"),
                              (rows[:, :100], 10, "blocks"), (rows.view(torch.int8), 10, "uint8"),
                              (rows[:, ::2], 10, "contiguous")):
         with pytest.raises(RuntimeError, match=match):

@@ -35,6 +35,8 @@ constexpr Spec SPECS[NUM_KINDS] = {
     {256, 144, 5, {HALF, HALF, 8, 8, 4}, {1, 1, 8, 8, 256}},         // Q4_K
     {256, 176, 5, {HALF, HALF, 8, 8, 5}, {1, 1, 8, 8, 256}},         // Q5_K
     {256, 210, 3, {HALF, 8, 6}, {1, 16, 256}},                       // Q6_K
+    {32, 18, 2, {HALF, 4}, {1, 32}},                                 // IQ4_NL
+    {256, 136, 3, {HALF, 8, 4}, {1, 8, 256}},                        // IQ4_XS
 };
 
 constexpr int laid_bytes(const Spec& s) {
@@ -125,6 +127,19 @@ void split(int kind, const uint8_t* b, Values& v) {
       planes(b + 128, 64, 32, 2, high);
       planes(b, 128, 64, 4, v[2]);
       for (int i = 0; i < 256; i++) v[2][i] |= high[i] << 4;
+      return;
+    }
+    case 13:  // IQ4_NL: d qs[16], as Q4_0
+      v[0][0] = half(b);
+      planes(b + 2, 16, 16, 4, v[1]);
+      return;
+    case 14: {  // IQ4_XS: d scales_h (2 bits each, 16 bits) scales_l[4] (4 bits each) qs[128]; scales less 32
+      uint16_t lo[8], hi[8];
+      planes(b + 4, 4, 1, 4, lo);
+      planes(b + 2, 2, 1, 2, hi);
+      v[0][0] = half(b);
+      for (int i = 0; i < 8; i++) v[1][i] = (uint8_t)((lo[i] | hi[i] << 4) - 32);
+      planes(b + 8, 128, 16, 4, v[2]);
       return;
     }
   }
