@@ -16,6 +16,9 @@ class Cache(Protocol):
               limit: int) -> Match:
         """The longest cached prefix of `tokens`, at most `limit` tokens long (keys[j], scopes[j]: full block j)."""
 
+    def restores(self, m: Match) -> bool:
+        """Whether a match can still be served: the local parts its window reads are here (cache/pool.py)."""
+
     def insert(self, parent: Node | None, key: bytes, scope: bytes, tokens: tuple[int, ...], block: int,
                ttl: float | None, priority: int, owner: Hashable = None, adapter: str = "") -> tuple[Node | None, bool]:
         """Publish a computed block under `parent`: (its node, whether created); no node on a hash collision."""
@@ -35,8 +38,8 @@ class Cache(Protocol):
     def pin(self, nodes: list[Node], pinned: bool = True) -> None:
         """Keep these blocks from eviction, or (pinned False) let them go again."""
 
-    def evict(self, n_blocks: int) -> int:
-        """Free up to n_blocks of unreferenced entries; returns how many were freed."""
+    def evict(self, n_pages: int) -> int:
+        """Free up to n_pages of unreferenced entries and local parts; returns how many pages were freed."""
 
     def set_shares(self, shares: dict[Hashable, float], group: Callable[[Hashable], Hashable]) -> None:
         """Guaranteed fractions of the pool by owner group (`group`: an owner's group), weighed by eviction."""
@@ -72,6 +75,10 @@ class Cache(Protocol):
     @property
     def num_scopes(self) -> int:
         """Scopes with cached blocks."""
+
+    @property
+    def num_local(self) -> int:
+        """Cached blocks that hold their local part (cache/pool.py)."""
 
     enabled: bool  # False for NullCache: nothing is matched or kept
     num_pinned: int  # blocks that eviction may never take

@@ -7,7 +7,7 @@ from prefixcache.cache.node import Listener, Match, Node
 
 class NullCache:
     enabled = False
-    num_blocks = num_pinned = num_scopes = 0
+    num_blocks = num_pinned = num_scopes = num_local = 0
     evictions: Counter[str] = Counter()
 
     def __init__(self):
@@ -16,6 +16,9 @@ class NullCache:
     def match(self, tokens: list[int], keys: list[bytes], scopes: list[bytes], partial_scopes: tuple[bytes, ...],
               limit: int) -> Match:
         return Match([])
+
+    def restores(self, m: Match) -> bool:
+        return True
 
     def insert(self, parent: Node | None, key: bytes, scope: bytes, tokens: tuple[int, ...], block: int,
                ttl: float | None, priority: int, owner: Hashable = None, adapter: str = "") -> tuple[None, bool]:
@@ -36,7 +39,7 @@ class NullCache:
     def pin(self, nodes: list[Node], pinned: bool = True) -> None:
         pass
 
-    def evict(self, n_blocks: int) -> int:
+    def evict(self, n_pages: int) -> int:
         return 0
 
     def set_shares(self, shares: dict[Hashable, float], group: Callable[[Hashable], Hashable]) -> None:

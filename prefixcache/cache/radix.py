@@ -9,6 +9,10 @@ when it is an unpinned leaf whose block nobody else references. Eviction takes e
 the owner group furthest over its guaranteed share of the pool (cache/shares.py), then lower priority, then least
 recently used.
 
+With local layers (cache/pool.py), a node also holds its block's local part while it can: an unpinned node's local
+part that no sequence reads may be evicted alone, in the same order, wherever the node is in the tree. A hit is
+served only where the local parts of the blocks its window reads are all here: a match is cut back until they are.
+
 The cache knows scope keys, tokens and block ids, never a request. Each scope with live entries has an opaque
 owner (the engine uses tenant and labels), so that an owner's entries can be purged under every scope it wrote.
 Listeners hear of every full block that enters or leaves (while its block still holds its K/V): the engine's tiers
@@ -76,7 +80,21 @@ class PrefixCache:
             else:
                 result.partial = result.nodes.pop()
                 result.partial_len = bs
+        while not self.restores(result):  # cut back to a hit whose local layers' window is here
+            if result.partial:
+                result.partial, result.partial_len = None, 0
+            else:
+                first = self.pool.window_start(len(result))
+                del result.nodes[max(j for j in range(first, len(result.nodes))
+                                     if not self.pool.has_local(result.nodes[j].block)):]
         return result
+
+    def restores(self, m: Match) -> bool:
+        """Whether the local parts of every block a match's next token reads through the window are here."""
+        if not self.pool.local_pages:
+            return True
+        used = m.nodes + [m.partial] if m.partial else m.nodes
+        return all(self.pool.has_local(n.block) for n in used[self.pool.window_start(len(m)):])
 
     def insert(self, parent: Node | None, key: bytes, scope: bytes, tokens: tuple[int, ...], block: int,
                ttl: float | None, priority: int, owner: Hashable = None, adapter: str = "") -> tuple[Node | None, bool]:
@@ -100,6 +118,9 @@ class PrefixCache:
         self.misses.stored(key, node.content)
         self.scopes.setdefault(scope, [owner, 0, adapter])[1] += 1
         self.pool.ref(block)
+        if self.pool.has_local(block):
+            self.pool.ref_local(block)
+            node.local = True
         parent.children[key] = node
         self.nodes[key] = node
         self.touch([node])
@@ -162,24 +183,30 @@ class PrefixCache:
         assert sum(shares.values()) <= 1 + 1e-9, "cache shares add up to more than the whole cache"
         self.shares, self.group = dict(shares), group
 
-    def evict(self, n_blocks: int) -> int:
-        """Free up to n_blocks by dropping evictable leaves; returns how many blocks were freed. Expired entries
-        go first; then the owner group furthest over its guaranteed share (without shares: an equal share, so
-        the group holding the most) gives up its own; within it, lower priority, then least recently used."""
+    def evict(self, n_pages: int) -> int:
+        """Free up to n_pages by dropping evictable leaves and local parts; returns how many pages were freed.
+        Expired entries go first; then the owner group furthest over its guaranteed share (without shares: an
+        equal share, so the group holding the most) gives up its own; within it, lower priority, then least
+        recently used, a node's local part before the node."""
         now = self.clock()
-        victims = Victims(self.blocks_by_owner(), self.shares, self.group, self.pool.usable_blocks,
-                          ((self.owner(n), _rank(n, now)) for n in self.nodes.values() if self._evictable(n)))
+        ranks = [(self.owner(n), _rank(n, now, whole=True)) for n in self.nodes.values() if self._evictable(n)]
+        ranks += [(self.owner(n), _rank(n, now, whole=False)) for n in self.nodes.values() if self._local_evictable(n)]
+        victims = Victims(self.blocks_by_owner(), self.shares, self.group, self.pool.usable_blocks, ranks)
         freed = 0
-        while freed < n_blocks and victims:
+        while freed < n_pages and victims:
             owner, rank = victims.pop()
-            node = rank[-1]
+            node, whole = rank[-1], rank[-3]
+            if not whole:
+                if self._local_evictable(node):
+                    freed += self._drop_local(node)
+                continue
             if not self._evictable(node):
                 continue
             parent = node.parent
             victims.took(owner)
             freed += self._remove(node, "ttl" if rank[0] == 0 else "capacity")
             if parent is not None and parent.parent is not None and self._evictable(parent):
-                victims.push(self.owner(parent), _rank(parent, now))
+                victims.push(self.owner(parent), _rank(parent, now, whole=True))
         return freed
 
     def purge(self, scope: bytes) -> int:
@@ -205,7 +232,8 @@ class PrefixCache:
         freed = 0
         for node in sorted((n for n in self.nodes.values() if n.scope in scopes), key=_depth, reverse=True):
             if not node.children and self.pool.refs[node.block] == 1:
-                freed += self._remove(node, "purge")
+                self._remove(node, "purge")
+                freed += 1
         return freed
 
     def clear(self) -> int:
@@ -213,7 +241,8 @@ class PrefixCache:
         freed = 0
         for node in sorted(self.nodes.values(), key=_depth, reverse=True):
             if not node.children and self.pool.refs[node.block] == 1:
-                freed += self._remove(node, "clear")
+                self._remove(node, "clear")
+                freed += 1
         return freed
 
     def pin(self, nodes: list[Node], pinned: bool = True) -> None:
@@ -225,6 +254,11 @@ class PrefixCache:
     def num_blocks(self) -> int:
         return len(self.nodes)
 
+    @property
+    def num_local(self) -> int:
+        """Nodes that hold their block's local part."""
+        return sum(n.local for n in self.nodes.values())
+
     def evictable_blocks(self) -> int:
         return sum(1 for n in self.nodes.values() if not n.pinned and self.pool.refs[n.block] == 1)
 
@@ -235,6 +269,14 @@ class PrefixCache:
     # ---- helpers ------------------------------------------------------------------------------------------
     def _evictable(self, node: Node) -> bool:
         return node.alive and not node.children and not node.pinned and self.pool.refs[node.block] == 1
+
+    def _local_evictable(self, node: Node) -> bool:
+        return node.alive and node.local and not node.pinned and self.pool.local_refs[node.block] == 1
+
+    def _drop_local(self, node: Node) -> int:
+        node.local = False
+        self.pool.unref_local(node.block)
+        return self.pool.local_pages
 
     def _remove(self, node: Node, reason: str) -> int:
         assert not node.children and node.alive
@@ -253,13 +295,15 @@ class PrefixCache:
         entry[1] -= 1
         if not entry[1]:
             del self.scopes[node.scope]
+        freed = self._drop_local(node) if node.local else 0
         self.pool.unref(node.block)
-        return 1
+        return 1 + freed
 
 
-def _rank(node: Node, now: float) -> tuple:
-    """Eviction order within an owner: expired first (0), then lower priority, then least recently used."""
-    return (0 if node.expires_at <= now else 1, node.priority, node.last_access, id(node), node)
+def _rank(node: Node, now: float, whole: bool) -> tuple:
+    """Eviction order within an owner: expired first (0), then lower priority, then least recently used; a local
+    part (whole False) before its node."""
+    return (0 if node.expires_at <= now else 1, node.priority, node.last_access, whole, id(node), node)
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -22,7 +22,7 @@ def check(prompt: list[int], params: SamplingParams, breakpoints: list[Breakpoin
     longest = min(len(prompt) + params.max_tokens, max_model_len) + drafts  # output stops at the window
     if not blocks.fits(longest):
         raise ValueError(f"the prompt ({len(prompt)} tokens) and max_tokens ({params.max_tokens}) need "
-                         f"{blocks.blocks_for(longest)} KV blocks; the cache holds {blocks.room()} "
+                         f"{blocks.pages_for(longest)} KV blocks; the cache holds {blocks.room()} "
                          "(pinned entries excluded)")
     for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
                       ("allowed_token_ids", params.allowed_token_ids or []),

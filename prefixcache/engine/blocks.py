@@ -40,7 +40,7 @@ class BlockManager:
     # ---- admission ----------------------------------------------------------------------------------------
     def prepare(self, seq: Sequence) -> None:
         """Compute the sequence's static cache keys (on first admission and after preemption)."""
-        seq.block_table, seq.num_computed = [], 0
+        seq.block_table, seq.num_computed, seq.local = [], 0, range(0)
         c = seq.cache
         c.nodes = []
         c.shared_len = next((len(p) for p in self.shared_prefixes if tuple(seq.tokens[:len(p)]) == p), 0)
@@ -93,25 +93,38 @@ class BlockManager:
         return self.cache.match(seq.tokens, c.keys, scopes, partial_scopes,
                                 len(seq.tokens) - 1 if limit is None else limit)
 
-    def admit(self, seq: Sequence, m: Match | None = None) -> bool:
-        """Lock the cached prefix (m, or a fresh match) and allocate blocks for the rest of the known tokens;
-        False if it doesn't fit."""
-        if m is None or not all(n.alive for n in m.nodes + ([m.partial] if m.partial else [])):
+    def admit(self, seq: Sequence, m: Match | None = None, first: int | None = None) -> bool:
+        """Lock the cached prefix (m, or a fresh match) and allocate blocks for the rest of the known tokens, with the
+        local parts the first step's `first` tokens past it need (None: all); False if it doesn't fit."""
+        used = (m.nodes + [m.partial] if m.partial else m.nodes) if m else []
+        if m is None or not all(n.alive for n in used) or not self.cache.restores(m):
             m = self.match(seq)  # an admission earlier in this step may have evicted part of the old match
-        used = m.nodes + ([m.partial] if m.partial else [])
+            used = m.nodes + [m.partial] if m.partial else m.nodes
+        # the blocks of the hit whose local parts its next tokens read
+        read = self.pool.window_start(len(m)) if self.pool.local_pages else len(used)
         for n in used:  # locked first, so making room below cannot evict them
             self.pool.ref(n.block)
+        for n in used[read:]:
+            self.pool.ref_local(n.block)
         needed = math.ceil(len(seq.tokens) / self.bs) - len(m.nodes)
-        if not self.reserve(needed):
+        end = len(seq.tokens) if first is None else min(len(seq.tokens), len(m) + max(first, 1))
+        local = self.blocks_for(end) - len(m.nodes) if self.pool.local_pages else 0
+        if not self.reserve(needed + local * self.pool.local_pages):
+            for n in used[read:]:
+                self.pool.unref_local(n.block)
             for n in used:
                 self.pool.unref(n.block)
             return False
         fresh = self.pool.allocate(needed, m.nodes[-1].block if m.nodes else None)
         self.cache.reuse(used)
+        seq.block_table = [n.block for n in m.nodes] + fresh
+        seq.local = range(min(read, len(m.nodes)), len(m.nodes))
+        self._add_local(seq, len(m.nodes) + local)
         if m.partial:
             self.pool.copy(m.partial.block, fresh[0])
+            if self.pool.local_pages:
+                self.pool.unref_local(m.partial.block)
             self.pool.unref(m.partial.block)  # the copy is ours; the source was only held for the copy
-        seq.block_table = [n.block for n in m.nodes] + fresh
         seq.num_computed = len(m)
         c = seq.cache
         c.nodes = list(m.nodes)
@@ -123,12 +136,16 @@ class BlockManager:
         """Start child (the same prompt) from parent's computed tokens: share its full blocks, copy the partial last
         one. The child reads nothing from the cache and writes no prompt token; False if the copy does not fit."""
         n_full, part = divmod(parent.num_computed, self.bs)
-        if part and not self.reserve(1):
+        if part and not self.reserve(1 + self.pool.local_pages):
             return False
         child.block_table = parent.block_table[:n_full] + (self.pool.allocate(1) if part else [])
         for b in child.block_table[:n_full]:
             self.pool.ref(b)
+        child.local = range(parent.local.start, min(parent.local.stop, n_full))
+        for b in child.block_table[child.local.start:child.local.stop]:
+            self.pool.ref_local(b)
         if part:
+            self._add_local(child, n_full + 1)
             self.pool.copy(parent.block_table[n_full], child.block_table[n_full])
         child.num_computed = parent.num_computed
         p = parent.cache
@@ -139,17 +156,25 @@ class BlockManager:
     def grow(self, seq: Sequence, n_tokens: int, evict: bool = True) -> bool:
         """Make room for the next n_tokens of the sequence; False if the pool is exhausted (or, with evict False,
         has too few free blocks)."""
-        needed = math.ceil((seq.num_computed + n_tokens) / self.bs) - len(seq.block_table)
-        if needed <= 0:
+        end = self.blocks_for(seq.num_computed + n_tokens)
+        needed = max(0, end - len(seq.block_table))
+        pages = needed + (max(0, end - seq.local.stop) * self.pool.local_pages)
+        if pages == 0:
             return True
-        if not (self.reserve(needed) if evict else needed <= self.pool.num_free):
+        if not (self.reserve(pages) if evict else pages <= self.pool.num_free):
             return False
         seq.block_table += self.pool.allocate(needed, seq.block_table[-1] if seq.block_table else None)
+        self._add_local(seq, end)
         return True
 
     # ---- publishing ---------------------------------------------------------------------------------------
     def publish(self, seq: Sequence, final: bool = False) -> None:
-        """Make the sequence's completed blocks matchable (only once their K/V are computed)."""
+        """Make the sequence's completed blocks matchable (only once their K/V are computed); then give back the
+        local parts of the blocks its local layers will not read again (the cache may keep them)."""
+        self._publish(seq, final)
+        self._trim(seq)
+
+    def _publish(self, seq: Sequence, final: bool) -> None:
         if not self.cache.enabled:
             return
         c = seq.cache
@@ -165,8 +190,11 @@ class BlockManager:
                                               seq.priority, scope.owner, scope.adapter)
             if node is None:
                 return
-            if node.block != seq.block_table[j]:  # someone published the same block first: share theirs
-                self.pool.ref(node.block)
+            if node.block != seq.block_table[j] and (j not in seq.local or self.pool.has_local(node.block)):
+                self.pool.ref(node.block)  # someone published the same block first: share theirs
+                if j in seq.local:
+                    self.pool.ref_local(node.block)
+                    self.pool.unref_local(seq.block_table[j])
                 self.pool.unref(seq.block_table[j])
                 seq.block_table[j] = node.block
             c.nodes.append(node)
@@ -178,10 +206,12 @@ class BlockManager:
                 self._publish_partial(seq, p)
 
     def release(self, seq: Sequence, finished: bool) -> None:
-        self.publish(seq, final=finished)
+        self._publish(seq, final=finished)
+        for b in seq.block_table[seq.local.start:seq.local.stop]:
+            self.pool.unref_local(b)
         for b in seq.block_table:
             self.pool.unref(b)
-        seq.block_table, seq.cache.nodes = [], []
+        seq.block_table, seq.cache.nodes, seq.local = [], [], range(0)
 
     def purge_tenant(self, tenant: str, labels: tuple[str, ...]) -> int:
         """Purge every scope of a tenant and label set, whatever its salt or other fields."""
@@ -225,10 +255,11 @@ class BlockManager:
         pool, cache = self.pool, self.cache
         used = pool.usable_blocks - pool.num_free
         return {
-            "block_size": self.bs, "block_bytes": pool.block_bytes, "bytes_per_token": pool.block_bytes // self.bs,
+            "block_size": self.bs, "block_bytes": pool.block_bytes, "bytes_per_token": pool.bytes_per_token,
             "blocks_total": pool.usable_blocks, "blocks_free": pool.num_free, "blocks_used": used,
             "blocks_cached": cache.num_blocks, "blocks_cached_evictable": cache.evictable_blocks(),
-            "bytes_cached": cache.num_blocks * pool.block_bytes, "bytes_used": used * pool.block_bytes,
+            "bytes_cached": (cache.num_blocks + cache.num_local * pool.local_pages) * pool.block_bytes,
+            "bytes_used": used * pool.block_bytes,
             "occupancy_perc": 100.0 * used / pool.usable_blocks, "scopes_cached": cache.num_scopes,
             **self.hits.stats(), "evictions": dict(cache.evictions),
             "tiers": self.tiering.stats() if self.tiering else None,
@@ -249,9 +280,13 @@ class BlockManager:
         """Blocks a sequence could have with the pool to itself: all but the pinned entries'."""
         return self.pool.usable_blocks - self.cache.num_pinned
 
+    def pages_for(self, n_tokens: int) -> int:
+        """The pool's pages n_tokens take with every local part (cache/pool.py): what a sequence may hold at most."""
+        return self.blocks_for(n_tokens) * (1 + self.pool.local_pages)
+
     def fits(self, n_tokens: int) -> bool:
         """Whether a sequence of n_tokens could ever run: alone, with every other entry evicted."""
-        return self.blocks_for(n_tokens) <= self.room()
+        return self.pages_for(n_tokens) <= self.room()
 
     def reserve(self, n: int) -> bool:
         if n > self.pool.num_free:
@@ -261,6 +296,23 @@ class BlockManager:
     def scope_at(self, seq: Sequence, end: int) -> CacheScope:
         """A block or partial ending at token `end` is shared only if it lies inside a declared shared prefix."""
         return seq.scope.shared if end <= seq.cache.shared_len else seq.scope
+
+    def _add_local(self, seq: Sequence, end: int) -> None:
+        """Give the sequence's blocks up to `end` (not computed yet) their local parts (the pages are reserved)."""
+        if not self.pool.local_pages:
+            return
+        table = seq.block_table
+        for j in range(seq.local.stop, end):
+            self.pool.add_local(table[j], like=table[j - 1] if j else None)
+        seq.local = range(seq.local.start, max(seq.local.stop, end))
+
+    def _trim(self, seq: Sequence) -> None:
+        if not self.pool.local_pages:
+            return
+        start = min(self.pool.window_start(seq.num_computed), seq.local.stop)
+        for b in seq.block_table[seq.local.start:start]:
+            self.pool.unref_local(b)
+        seq.local = range(max(seq.local.start, start), seq.local.stop)
 
     def _publish_partial(self, seq: Sequence, p: int) -> None:
         c = seq.cache
@@ -272,12 +324,19 @@ class BlockManager:
         existing = self.cache.get(key)
         ttl, label = c.policy.ttl(p)
         if existing is None:
-            if not self.reserve(1):
+            source = seq.block_table[j]
+            if self.pool.local_pages and not self.pool.has_local(source):
+                return  # its local layers' keys are gone: a hit on it could not be served
+            if not self.reserve(1 + self.pool.local_pages):
                 return
             block = self.pool.allocate(1)[0]
-            self.pool.copy(seq.block_table[j], block)
+            if self.pool.local_pages:
+                self.pool.add_local(block)
+            self.pool.copy(source, block)
             node, created = self.cache.insert(parent, key, scope.key, tokens, block, ttl, seq.priority, scope.owner,
                                               scope.adapter)
+            if self.pool.local_pages:
+                self.pool.unref_local(block)
             self.pool.unref(block)  # the cache now holds the only reference
             if created:
                 self._count_write(seq, j * self.bs, p, label)

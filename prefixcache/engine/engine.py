@@ -85,7 +85,8 @@ class Engine:
         self.max_model_len = min(config.max_model_len or weights.config.max_position, weights.config.max_position)
         c = weights.config
         self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, config.kv_cache_bytes,
-                           getattr(torch, config.kv_storage_dtype), run=config.attn_tile // config.block_size)
+                           getattr(torch, config.kv_storage_dtype), run=config.attn_tile // config.block_size,
+                           local_layers=c.local_layers, window=c.sliding_window)
         self.blocks = BlockManager(self.pool, config.enable_prefix_cache, config.min_cache_tokens,
                                     config.default_ttl, config.shared_prefixes, config.log_cross_scope_misses)
         self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"  # its name in KV events
@@ -321,7 +322,7 @@ class Engine:
         """For /health: read without the engine thread (lengths and the tiers' breakers), so it never waits."""
         return {"replica_id": self.replica_id, "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting), "tiers": self.blocks.tiers_health(),
-                "kv_bytes_per_token": self.pool.block_bytes // self.pool.block_size,
+                "kv_bytes_per_token": self.pool.bytes_per_token,
                 "exactness": self.exactness.summary()}
 
     def _fork(self, seq: Sequence) -> list[Sequence]:

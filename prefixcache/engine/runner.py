@@ -1,6 +1,7 @@
 """Turns a scheduled step into one model forward: flat token batch, KV slots, each sequence's queries, logits."""
 from typing import Callable
 
+import numpy as np
 import torch
 
 from prefixcache import kernels
@@ -29,25 +30,32 @@ class ModelRunner:
         token (one row; a row per computed token for the sequences in `verify`, whose drafts they check), and for
         sequences that want prompt logprobs, (first position, hidden states) of the computed positions that
         predict a prompt token. `between` is called before each layer (Llama.forward)."""
-        ids, pos, slots, queries, rows, owners, prompt_rows = [], [], [], [], [], [], {}
+        ids, pos, rows, owners, prompt_rows = [], [], [], [], {}
+        parts = 1 + self.pool.local_pages  # a block table, slots and queries for each part of a block (KVPool.place)
+        slots: list[list[np.ndarray]] = [[] for _ in range(parts)]
+        queries: list[list[Queries]] = [[] for _ in range(parts)]
         adapter_rows: dict[str, list[int]] = {}
         for seq, m in plan:
             first, start = len(ids), seq.num_computed
             if seq.scope.adapter:
                 adapter_rows.setdefault(seq.scope.adapter, []).extend(range(first, first + m))
-            queries.append(Queries(first, list(range(start, start + m)), start + m, seq.block_table))
-            for p in range(start, start + m):
-                ids.append(seq.tokens[p])
-                pos.append(p)
-                slots.append(seq.block_table[p // self.bs] * self.bs + p % self.bs)
+            at = np.arange(start, start + m)
+            positions = at.tolist()
+            for part, table in enumerate(self.pool.tables(seq.block_table)):
+                queries[part].append(Queries(first, positions, start + m, table))
+                pages = np.asarray(table, dtype=np.int64)[at // self.bs]
+                assert pages.all(), "a token's K/V written to a block without its part"
+                slots[part].append(pages * self.bs + at % self.bs)
+            ids += seq.tokens[start:start + m]
+            pos += positions
             if start + m == len(seq.tokens):
                 owners.append((seq.id, len(rows)))
                 rows += range(first if seq.id in verify else len(ids) - 1, len(ids))
             n_prompt = min(start + m, seq.num_prompt - 1) - start
             if seq.prompt_logprobs is not None and n_prompt > 0:
                 prompt_rows[seq.id] = (start, first, first + n_prompt)
-        batch = Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), queries,
-                      [(self.adapters[a], torch.tensor(r)) for a, r in adapter_rows.items()])
+        batch = Batch(torch.tensor(ids), torch.tensor(pos), [torch.from_numpy(np.concatenate(s)) for s in slots],
+                      queries, [(self.adapters[a], torch.tensor(r)) for a, r in adapter_rows.items()])
         hidden = self.model.forward(batch, self.pool, between)
         head = hidden[rows]
         logits = torch.cat([self.model.logits(head[i:i + self.head_rows])

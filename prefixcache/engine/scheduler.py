@@ -102,7 +102,8 @@ class Scheduler:
                 need = self._paced(seq, len(m), step, batch, slack, due, now, whole)
                 if need == 0:
                     continue
-                if self.num_slots + 1 + len(seq.forks) > self.max_num_seqs or not self.blocks.admit(seq, m):
+                if self.num_slots + 1 + len(seq.forks) > self.max_num_seqs or \
+                        not self.blocks.admit(seq, m, min(budget, need)):
                     blocked = due  # passed over long enough: it waits for slots or memory, and nothing overtakes it
                     continue
                 self.waiting.remove(seq)

@@ -195,6 +195,7 @@ class Sequence:
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_computed = 0  # tokens whose K/V are in the pool
+        self.local = range(0)  # the blocks whose local part it holds (cache/pool.py): those its local layers read
         self.cache = CacheState()
         self.skipped = 0  # admission rounds this request was passed over
         self.ran_at = 0  # the last scheduler step that computed it (0: none yet)

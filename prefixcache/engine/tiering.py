@@ -87,11 +87,13 @@ class Tiering:
 
     # ---- cache listener -----------------------------------------------------------------------------------
     def stored(self, node: Node) -> None:
+        if not self._whole(node):  # published after its local layers' window passed: no tier can serve it
+            return
         copy = None if self.loading else lambda: self._copy(node)
         self.tiers.stored(self._owner(node), node.key.hex(), copy, node.ttl)
 
     def removed(self, node: Node, reason: str) -> None:
-        spill = (lambda: self._copy(node)) if reason == "capacity" else None
+        spill = (lambda: self._copy(node)) if reason == "capacity" and self._whole(node) else None
         self.tiers.removed(self._owner(node), node.key.hex(), spill, node.ttl)
 
     # ---- requests -----------------------------------------------------------------------------------------
@@ -151,13 +153,13 @@ class Tiering:
         for j, f in enumerate(found, start=first):
             node = self.cache.get(c.keys[j])
             if node is None:
-                if not self.blocks.reserve(1):
+                if not self.blocks.reserve(1 + self.pool.local_pages):
                     break
                 block = self.pool.allocate(1)[0]
+                if self.pool.local_pages:
+                    self.pool.add_local(block)
                 if f.record is not None:
-                    span = slice(block * self.bs, (block + 1) * self.bs)
-                    self.pool.k[:, span] = f.record.k
-                    self.pool.v[:, span] = f.record.v
+                    self.pool.write(block, f.record.k, f.record.v)
                 scope = self.blocks.scope_at(seq, (j + 1) * self.bs)
                 tokens = tuple(seq.tokens[j * self.bs:(j + 1) * self.bs])  # what the record's MAC was checked on
                 self.loading = True
@@ -165,6 +167,8 @@ class Tiering:
                                             c.policy.ttl((j + 1) * self.bs)[0], seq.priority, scope.owner,
                                             scope.adapter)
                 self.loading = False
+                if self.pool.local_pages:
+                    self.pool.unref_local(block)  # the cache's now, as the block is
                 self.pool.unref(block)
                 if node is None:
                     break
@@ -183,5 +187,8 @@ class Tiering:
         return owner_id(self.blocks.scope_at(seq, (j + 1) * self.bs).owner)
 
     def _copy(self, node: Node) -> Record:
-        span = slice(node.block * self.bs, (node.block + 1) * self.bs)
-        return Record(node.tokens, self.pool.k[:, span].clone(), self.pool.v[:, span].clone())
+        return Record(node.tokens, *self.pool.read(node.block))
+
+    def _whole(self, node: Node) -> bool:
+        """Whether the pool holds every layer of a cached block (its local part, if the model has one)."""
+        return not self.pool.local_pages or self.pool.has_local(node.block)

@@ -27,8 +27,8 @@ LINEARS = ("qkv", "o", "gate_up", "down")
 class Batch:
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
-    slots: torch.Tensor  # [N] flat pool slot each token's K/V is written to
-    queries: list[Queries]  # each sequence's tokens in the batch
+    slots: list[torch.Tensor]  # [N] flat pool slot each token's K/V is written to, by part of a block (KVPool.place)
+    queries: list[list[Queries]]  # each sequence's tokens in the batch, by part of a block: its table of that part
     adapters: list[tuple[Adapter, torch.Tensor]] = field(default_factory=list)  # each LoRA adapter's rows
 
 
@@ -122,15 +122,18 @@ class Llama:
         positions = F.pad(batch.positions, (0, pad))
         tables = {local: t.rows(positions) for local, t in self.rope.items()}
         tables.setdefault(True, tables[False])  # local layers without a base of their own: the same rows
-        windows = self.windows  # a plan per kind of layer
+        windows = self.windows  # a plan per kind of layer and part of a block
+        kinds = {i: (i in self.local_layers, pool.place(i)[1]) for i in range(len(self.layers))}
+        pool_rows = [pool.place(i)[0] for i in range(len(self.layers))]
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if self.paged:
-            plans = {local: paged.plan(batch.queries, n, pool.block_size, window) for local, window in windows.items()}
+            plans = {(local, part): paged.plan(batch.queries[part], n, pool.block_size, windows[local])
+                     for local, part in set(kinds.values())}
         else:  # padding attends nothing
-            plans = {local: self.attn_plan(batch.queries, n + pad, pool.block_size, pool.k.shape[1], window=window)
-                     for local, window in windows.items()}
-            results = {local: attention.empty_results(p, n + pad, c.num_heads, c.head_dim, x.dtype)
-                       for local, p in plans.items()}  # a plan's own: a tile one leaves out, the other may write
+            plans = {(local, part): self.attn_plan(batch.queries[part], n + pad, pool.block_size, pool.k.shape[1],
+                                                   window=windows[local]) for local, part in set(kinds.values())}
+            results = {kind: attention.empty_results(p, n + pad, c.num_heads, c.head_dim, x.dtype)
+                       for kind, p in plans.items()}  # a plan's own: a tile one leaves out, the other may write
         glu_linear = self.ops.swiglu_linear if c.activation == "silu" else self.ops.geglu_linear
         glu = self.ops.swiglu if c.activation == "silu" else self.ops.geglu
         for i, L in enumerate(self.layers):
@@ -141,19 +144,19 @@ class Llama:
             self._lora(batch, i, "qkv", qkv, lambda rows: self._rows(self.ops.rms_norm, x[rows], L["ln1"], eps))
             if c.qk_norm:
                 qkv = self._qk_norm(qkv, L)
-            local = i in self.local_layers
+            kind = local, part = kinds[i]
             cos, sin = tables[local]
+            k_pool, v_pool, slots = pool.k[pool_rows[i]], pool.v[pool_rows[i]], batch.slots[part]
             if self.paged:
-                q = paged.rope_store(qkv, cos, sin, pool.k[i], pool.v[i], batch.slots, c.num_heads, c.num_kv_heads,
-                                     self.ops.isa)
-                o = paged.attend(q, pool.k[i], pool.v[i], plans[local], self.ops.isa, self.attn_scale)
+                q = paged.rope_store(qkv, cos, sin, k_pool, v_pool, slots, c.num_heads, c.num_kv_heads, self.ops.isa)
+                o = paged.attend(q, k_pool, v_pool, plans[kind], self.ops.isa, self.attn_scale)
             else:
                 q, k, v = (t.view(-1, h, c.head_dim) for t, h in zip(qkv.split([nq, nkv, nkv], dim=1),
                                                                      (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
                 q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-                pool.k[i].index_copy_(0, batch.slots, k[:n].to(pool.k.dtype))
-                pool.v[i].index_copy_(0, batch.slots, v[:n].to(pool.v.dtype))
-                o = attention.attend(q, pool.k[i], pool.v[i], plans[local], *results[local], scale=self.attn_scale)
+                k_pool.index_copy_(0, slots, k[:n].to(pool.k.dtype))
+                v_pool.index_copy_(0, slots, v[:n].to(pool.v.dtype))
+                o = attention.attend(q, k_pool, v_pool, plans[kind], *results[kind], scale=self.attn_scale)
             o = o.view(-1, nq)
             if c.sandwich_norms:  # x + norm(o W), x + norm(MLP(norm(x)))
                 y = self._rows(self.ops.linear, o, L["o"])

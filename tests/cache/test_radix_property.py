@@ -43,7 +43,7 @@ class CacheMachine(RuleBasedStateMachine):
         seq = Sequence(tokens, SamplingParams(), scope)
         self.blocks.prepare(seq)
         m = self.blocks.match(seq)
-        assert len(m) == self._expected(scope, tokens)
+        self._check(scope, tokens, m)
         admitted = self.blocks.admit(seq, m)
         self._sync_after_eviction()  # admission may have evicted to make room
         if not admitted:  # does not fit: the request waits (here: gives up)
@@ -87,7 +87,10 @@ class CacheMachine(RuleBasedStateMachine):
     def match_only(self, scope, tokens):
         seq = Sequence(tokens, SamplingParams(), scope)
         self.blocks.prepare(seq)
-        assert len(self.blocks.match(seq)) == self._expected(scope, tokens)
+        self._check(scope, tokens, self.blocks.match(seq))
+
+    def _check(self, scope: CacheScope, tokens: list[int], m) -> None:
+        assert len(m) == self._expected(scope, tokens)
 
     @invariant()
     def within_budget(self):
@@ -99,3 +102,39 @@ class CacheMachine(RuleBasedStateMachine):
 
 CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestCache = CacheMachine.TestCase
+
+
+class HybridMachine(CacheMachine):
+    """The same with a model of local layers (two of three, a window of 6 tokens: cache/pool.py): a request keeps the
+    local parts its window reads, the cache keeps the rest until evicted, alone or with their node; a hit is only
+    ever one whose window's local parts are all here."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = KVPool(3, 1, 2, BS, budget_bytes=61 * 2 * BS * 2 * 4, dtype=torch.float32, local_layers=(0, 2),
+                           window=6)
+        self.blocks = BlockManager(self.pool, True, 0, None, [])
+        self.cache = self.blocks.cache
+
+    def _check(self, scope: CacheScope, tokens: list[int], m) -> None:
+        assert self.cache.restores(m) and len(m) <= self._expected(scope, tokens)
+
+    @invariant()
+    def within_budget(self):
+        pool = self.pool
+        holders = Counter(n.block for n in self.cache.nodes.values())
+        local = Counter(n.block for n in self.cache.nodes.values() if n.local)
+        for *_, seq in self.locks:
+            holders.update(seq.block_table)
+            local.update(seq.block_table[seq.local.start:seq.local.stop])
+            assert seq.local.start == max(0, len(seq.tokens) - 5) // BS  # the window of its next token on
+        assert [pool.local_refs[b] for b in range(pool.num_blocks)] == [local[b] for b in range(pool.num_blocks)]
+        pages = [p for b in local for p in pool.local[b].tolist()]
+        assert 0 not in pages and len(set(pages)) == len(pages) == 2 * len(local)
+        assert not set(pages) & set(holders)
+        assert len(holders) + len(pages) + pool.num_free == pool.usable_blocks
+        assert [pool.refs[b] for b in holders] == [holders[b] for b in holders]
+
+
+HybridMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestHybrid = HybridMachine.TestCase

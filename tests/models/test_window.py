@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import GREEDY, generate_with_logits
 
-from prefixcache import LLM, kernels
+from prefixcache import LLM, SamplingParams, kernels
 from prefixcache.models import attention, paged
 from prefixcache.models.attention import Queries
 from prefixcache.models.exactness import rows_plan
@@ -95,3 +95,44 @@ def test_warm_chunked_batched_equal_cold_across_windows(tiny_gemma):
         outs, together = generate_with_logits(warm, prompts, GREEDY)
         assert [o.cached_tokens for o in outs[1:3]] == [208, 128]
         assert all(torch.equal(a, b) for a, b in zip(singles, together)), kernels_choice
+
+
+def test_a_sequence_keeps_only_the_local_parts_its_window_reads(tiny_gemma):
+    """The local layers' pages of a block go back to the pool once no later token's window reaches it: through a
+    chunked prefill of 350 tokens and a decode, the sequence holds the local parts of the blocks from its window's
+    first to its last computed one, and the pool's free pages are exactly what it holds."""
+    llm = LLM(model=tiny_gemma, enable_prefix_cache=False, max_batch_tokens=96)
+    e, pool = llm.engine, llm.engine.pool
+    assert (pool.page_layers, pool.local_pages, pool.window) == (1, 2, 128)  # a global layer a page, two local ones
+    seq = e.add_request(list(range(3000, 3350)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    held = []
+    while e.has_unfinished():
+        e.step()
+        if seq.block_table:
+            assert seq.local.start == max(0, seq.num_computed - 127) // 16
+            assert seq.local.stop == -(-seq.num_computed // 16)  # blocks not computed yet get theirs when they are
+            assert pool.num_free == pool.usable_blocks - len(seq.block_table) - 2 * len(seq.local)
+            held.append((len(seq.local), len(seq.block_table)))
+    assert max(h for h, _ in held[-30:]) <= 10 < held[-1][1] == 25  # decoding: 8 blocks of window and the one written
+    assert pool.num_free == pool.usable_blocks
+
+
+def test_a_hit_is_cut_back_to_where_its_windows_local_parts_are_cached(tiny_gemma):
+    """The cache keeps a finished request's local parts until it needs the room; evicting them (oldest first)
+    leaves the blocks' global pages. A later hit whose window would read an evicted local part is cut back until
+    it reads none (here to nothing); a hit whose window lies past them is whole. Both give the cold run's logits."""
+    a = list(range(3000, 3350))
+    cold = LLM(model=tiny_gemma, enable_prefix_cache=False)
+    warm = LLM(model=tiny_gemma, max_batch_tokens=96)
+    warm.generate([a], GREEDY)
+    cache, pool = warm.engine.blocks.cache, warm.engine.pool
+    nodes = sorted((n for n in cache.nodes.values() if len(n.tokens) == 16), key=lambda n: n.last_access)
+    assert all(n.local for n in nodes)
+    free = pool.num_free
+    assert cache.evict(2 * 13) == 26 and pool.num_free == free + 26
+    assert [n.local for n in nodes[:14]] == [False] * 13 + [True] and len(cache.nodes) > 21  # nodes all kept
+    prompts = [a[:208] + [5, 6], a + [7]]  # windows from blocks 5 and 13 on
+    outs, warm_logits = generate_with_logits(warm, prompts, GREEDY)
+    assert outs[0].cached_tokens == 0 and outs[1].cached_tokens >= 336
+    for p, got in zip(prompts, warm_logits):
+        assert torch.equal(generate_with_logits(cold, [p], GREEDY)[1][0], got)
