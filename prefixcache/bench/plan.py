@@ -164,7 +164,7 @@ def _geometry(folder: str) -> dict:
 
     m = read_config(folder)
     g = {"layers": m.num_layers, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "block_size": Config.block_size,
-         "context": m.max_position}
+         "context": m.max_position, "local_layers": list(m.local_layers), "window": m.sliding_window}
     shape = (g["layers"], g["block_size"], g["kv_heads"], g["head_dim"])
     return {**g, "block_bytes": KVPool.bytes_per_block(*(g[k] for k in ("layers", "kv_heads", "head_dim",
                                                                           "block_size")), torch.float32),
@@ -222,7 +222,8 @@ def _replay(geometry: dict, budget: int, requests: list[Request], policy: str, t
     from prefixcache.engine.sequence import Sequence
 
     g = geometry
-    pool = KVPool(g["layers"], g["kv_heads"], g["head_dim"], g["block_size"], budget, torch.float32)
+    pool = KVPool(g["layers"], g["kv_heads"], g["head_dim"], g["block_size"], budget, torch.float32,
+                  local_layers=tuple(g["local_layers"]), window=g["window"])
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731  the log's time, so that TTLs expire as they would have
     blocks = BlockManager(pool, True, min_cache_tokens, ttl if policy == "ttl" else None, [], clock=clock)

@@ -70,7 +70,11 @@ class LedgerTiers:
             self._put(self.l3, owner, key, self.sizes["L3"], ttl if ttl is not None else self.redis_ttl)
 
     def removed(self, owner: str, key: str, spill: Copy | None, ttl: float | None) -> None:
-        if spill is not None and self.l2:
+        if spill is not None:
+            self.spill(owner, key, spill, ttl)
+
+    def spill(self, owner: str, key: str, copy: Copy, ttl: float | None) -> None:
+        if self.l2:
             self._put(self.l2, owner, key, self.sizes["L2"], ttl)
 
     def fetch(self, wanted: list[Wanted], tenant: str) -> Future:

@@ -16,6 +16,9 @@ class Cache(Protocol):
               limit: int) -> Match:
         """The longest cached prefix of `tokens`, at most `limit` tokens long (keys[j], scopes[j]: full block j)."""
 
+    def attach_local(self, node: Node) -> None:
+        """Give a node whose local part was evicted a new one, for the caller to fill."""
+
     def restores(self, m: Match) -> bool:
         """Whether a match can still be served: the local parts its window reads are here (cache/pool.py)."""
 

@@ -39,3 +39,6 @@ class Listener(Protocol):
     def stored(self, node: Node) -> None: ...
 
     def removed(self, node: Node, reason: str) -> None: ...
+
+    def thinned(self, node: Node) -> None:
+        """A full block's local part (cache/pool.py) is evicted for room, the block staying (its K/V still held)."""

@@ -17,6 +17,9 @@ class NullCache:
               limit: int) -> Match:
         return Match([])
 
+    def attach_local(self, node: Node) -> None:
+        raise KeyError(node.scope)  # no node is ever this cache's
+
     def restores(self, m: Match) -> bool:
         return True
 

@@ -151,9 +151,11 @@ class KVPool:
             v.append(self.v[span])
         return torch.stack(k), torch.stack(v)
 
-    def write(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Fill a block (with its local part) from keys and values as `read` gives them."""
+    def write(self, block: int, k: torch.Tensor, v: torch.Tensor, local: bool = False) -> None:
+        """Fill a block (with its local part; only that, if `local`) from keys and values as `read` gives them."""
         for layer in range(len(k)):
+            if local and not self.place(layer)[1]:
+                continue
             span = self._span(block, layer)
             self.k[span] = k[layer]
             self.v[span] = v[layer]

@@ -198,6 +198,9 @@ class PrefixCache:
             node, whole = rank[-1], rank[-3]
             if not whole:
                 if self._local_evictable(node):
+                    if len(node.tokens) == self.bs:
+                        for listener in self.listeners:
+                            listener.thinned(node)
                     freed += self._drop_local(node)
                 continue
             if not self._evictable(node):
@@ -272,6 +275,12 @@ class PrefixCache:
 
     def _local_evictable(self, node: Node) -> bool:
         return node.alive and node.local and not node.pinned and self.pool.local_refs[node.block] == 1
+
+    def attach_local(self, node: Node) -> None:
+        """Give a node whose local part was evicted a new one (the caller fills it: engine/tiering.py)."""
+        assert not node.local and node.alive
+        self.pool.add_local(node.block)
+        node.local = True
 
     def _drop_local(self, node: Node) -> int:
         node.local = False

@@ -94,8 +94,13 @@ class Tiers:
         """A full block left L1; `spill` copies it for L2 if it was evicted for room."""
         if self.events:
             self.events.add("removed", "L1", [key])
-        if spill is not None and self.disk:
-            self._queue(("L2", owner, key, spill(), ttl))
+        if spill is not None:
+            self.spill(owner, key, spill, ttl)
+
+    def spill(self, owner: str, key: str, copy: Copy, ttl: float | None) -> None:
+        """Write a block that is losing part of its K/V in L1 to L2."""
+        if self.disk:
+            self._queue(("L2", owner, key, copy(), ttl))
 
     def fetch(self, wanted: list[Wanted], tenant: str) -> Future:
         """Look up the blocks of a chain for a tenant's request, in order; the future gives the Found ones up to the

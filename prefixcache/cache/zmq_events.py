@@ -148,6 +148,9 @@ class ZmqEvents:
     def removed(self, node: Node, reason: str) -> None:
         self._add(BlockRemoved([node.key], MEDIUM))
 
+    def thinned(self, node: Node) -> None:
+        pass  # the block stays: a hit ending within a window past it is cut, which no event tells
+
     def close(self) -> None:
         self.stopped.set()
         self.thread.join()

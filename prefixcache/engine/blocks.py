@@ -26,9 +26,11 @@ from prefixcache.engine.tiering import Below, Tiering
 class BlockManager:
     def __init__(self, pool: KVPool, enabled: bool, min_cache_tokens: int, default_ttl: float | None,
                  shared_prefixes: list[list[int]], log_cross_scope_misses: bool = False,
-                 clock: Callable[[], float] = time.monotonic):
-        """`clock`: the time TTLs are counted in (the capacity planner replays a log on the log's)."""
+                 clock: Callable[[], float] = time.monotonic, max_chunk: int | None = None):
+        """`clock`: the time TTLs are counted in (the capacity planner replays a log on the log's). `max_chunk`: the
+        most tokens a step computes for a sequence (None: any), which bounds the local parts it holds at once."""
         self.pool = pool
+        self.max_chunk = max_chunk
         self.bs = pool.block_size
         self.cache: Cache = PrefixCache(pool, clock) if enabled else NullCache()
         self.min_cache_tokens = min_cache_tokens
@@ -281,8 +283,12 @@ class BlockManager:
         return self.pool.usable_blocks - self.cache.num_pinned
 
     def pages_for(self, n_tokens: int) -> int:
-        """The pool's pages n_tokens take with every local part (cache/pool.py): what a sequence may hold at most."""
-        return self.blocks_for(n_tokens) * (1 + self.pool.local_pages)
+        """The most pages a sequence of n_tokens holds: a page a block, and the local parts (cache/pool.py) of the
+        blocks a step's chunk and the window before it cover."""
+        blocks = local = self.blocks_for(n_tokens)
+        if self.max_chunk is not None:
+            local = min(blocks, self.blocks_for(self.pool.window + self.max_chunk) + 1)
+        return blocks + local * self.pool.local_pages
 
     def fits(self, n_tokens: int) -> bool:
         """Whether a sequence of n_tokens could ever run: alone, with every other entry evicted."""

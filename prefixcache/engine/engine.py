@@ -88,7 +88,8 @@ class Engine:
                            getattr(torch, config.kv_storage_dtype), run=config.attn_tile // config.block_size,
                            local_layers=c.local_layers, window=c.sliding_window)
         self.blocks = BlockManager(self.pool, config.enable_prefix_cache, config.min_cache_tokens,
-                                    config.default_ttl, config.shared_prefixes, config.log_cross_scope_misses)
+                                    config.default_ttl, config.shared_prefixes, config.log_cross_scope_misses,
+                                    max_chunk=config.max_batch_tokens + config.num_speculative_tokens)
         self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"  # its name in KV events
         if config.disk_cache or config.redis_url:
             self.blocks.attach(open_tiers(config, c, self.replica_id))

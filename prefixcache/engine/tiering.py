@@ -62,6 +62,8 @@ class Below(Protocol):
 
     def removed(self, owner: str, key: str, spill: Copy | None, ttl: float | None) -> None: ...
 
+    def spill(self, owner: str, key: str, copy: Copy, ttl: float | None) -> None: ...
+
     def fetch(self, wanted: list[Wanted], tenant: str) -> Future: ...
 
     def set_shares(self, shares: dict[str, float]) -> None: ...
@@ -95,6 +97,10 @@ class Tiering:
     def removed(self, node: Node, reason: str) -> None:
         spill = (lambda: self._copy(node)) if reason == "capacity" and self._whole(node) else None
         self.tiers.removed(self._owner(node), node.key.hex(), spill, node.ttl)
+
+    def thinned(self, node: Node) -> None:
+        """Its local part goes: L2 keeps the whole block, from which a lookup can give the node a new one."""
+        self.tiers.spill(self._owner(node), node.key.hex(), lambda: self._copy(node), node.ttl)
 
     # ---- requests -----------------------------------------------------------------------------------------
     def prefetch(self, seq: Sequence) -> None:
@@ -177,6 +183,13 @@ class Tiering:
             self.pool.ref(node.block)
             held.append(node)
             parent = node
+            if not self._whole(node) and f.record is not None:  # L1 kept the block, not its local layers
+                if not self.blocks.reserve(self.pool.local_pages):
+                    break
+                self.cache.attach_local(node)
+                self.pool.write(node.block, f.record.k, f.record.v, local=True)
+                if c.num_cached is None:
+                    c.tier_tokens[f.tier] = c.tier_tokens.get(f.tier, 0) + self.bs
         for node in held:
             self.pool.unref(node.block)
 

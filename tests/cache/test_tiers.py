@@ -23,6 +23,7 @@ from prefixcache.cache.remote import PREFIX
 from prefixcache.cache.scope import CacheScope
 from prefixcache.cache.tiers import owner_id
 from prefixcache.engine.engine import Engine
+from prefixcache.engine.sequence import Sequence
 
 PROMPT = list(range(1000, 1300))  # 18 full blocks and a partial one
 SMALL_POOL = 2**20  # 128 blocks of the tiny model: a few prompts evict each other
@@ -434,3 +435,30 @@ def test_a_lookup_over_the_tenants_bound_is_skipped_and_its_request_recomputes(t
     release.set()
     finish(e, seqs)
     assert order == ["a", "b", "a", "a"]
+
+
+def test_a_blocks_evicted_local_part_is_kept_on_disk_and_given_back_from_it(tiny_gemma, tmp_path):
+    """A Gemma 3 (local layers of a 128-key window): evicting the local parts of a prompt's first 13 blocks writes
+    those blocks whole to L2; a hit whose window needs them gets them back from L2 (and after a restart, the
+    blocks too), with the cold run's logits."""
+    a_prompt, b_prompt = list(range(3000, 3350)), list(range(3000, 3208)) + [5, 6]
+    cold = generate_with_logits(LLM(tiny_gemma, enable_prefix_cache=False), [b_prompt])
+    a = LLM(tiny_gemma, disk_cache=str(tmp_path), max_batch_tokens=96)
+    a.generate([a_prompt], GREEDY)
+    assert a.engine.blocks.cache.evict(2 * 13) == 26
+    settle(a.engine)
+    assert a.engine.blocks.match(_prepared(a.engine, b_prompt)).nodes == []  # its window's local parts are gone
+    result = generate_with_logits(a, [b_prompt])
+    assert result[0][0].cached_tokens == 208 and result[0][0].cached_by_tier == {"L1": 0, "L2": 208}
+    assert_cold(result, cold)
+    a.engine.close()
+    restarted = LLM(tiny_gemma, disk_cache=str(tmp_path))
+    result = generate_with_logits(restarted, [b_prompt])
+    assert result[0][0].cached_by_tier == {"L1": 0, "L2": 208}
+    assert_cold(result, cold)
+
+
+def _prepared(engine, prompt):
+    seq = Sequence(prompt, GREEDY, engine.scope())
+    engine.blocks.prepare(seq)
+    return seq

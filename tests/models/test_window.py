@@ -136,3 +136,18 @@ def test_a_hit_is_cut_back_to_where_its_windows_local_parts_are_cached(tiny_gemm
     assert outs[0].cached_tokens == 0 and outs[1].cached_tokens >= 336
     for p, got in zip(prompts, warm_logits):
         assert torch.equal(generate_with_logits(cold, [p], GREEDY)[1][0], got)
+
+
+def test_a_prompt_runs_in_a_pool_too_small_for_every_layer_of_it(tiny_gemma):
+    """1,000 tokens take 63 blocks: 189 pages with every layer's keys, 95 at most with the local parts of a step's
+    chunk (96 tokens and drafts) and the window before it. A pool of 120 pages runs it (the roomy pool's logits);
+    2,000 tokens it refuses, saying what they need."""
+    prompt = list(range(3000, 4000))
+    roomy = LLM(model=tiny_gemma, enable_prefix_cache=False, max_batch_tokens=96)
+    small = LLM(model=tiny_gemma, enable_prefix_cache=False, max_batch_tokens=96,
+                kv_cache_bytes=121 * roomy.engine.pool.block_bytes)
+    assert small.engine.pool.usable_blocks == 120 and small.engine.blocks.pages_for(1008) == 95
+    assert torch.equal(generate_with_logits(small, [prompt], GREEDY)[1][0],
+                       generate_with_logits(roomy, [prompt], GREEDY)[1][0])
+    with pytest.raises(ValueError, match="need 158 KV blocks; the cache holds 120"):
+        small.generate([prompt * 2], GREEDY)

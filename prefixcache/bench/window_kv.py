@@ -1,0 +1,68 @@
+"""Gemma 3's KV memory with its local layers' pages given back once their window has passed (issue 34 item 3).
+
+For one request of 1k, 4k and 8k random prompt token ids and 64 greedy output tokens (prefix cache off, chunks of
+512), in process on Gemma 3 270M: the most KV the pool held at once (its pages in use after each step), against what
+keeping every layer's keys and values for every token takes (the pool before the local parts). Then the same with
+the prefix cache on: the finished request's blocks stay cached with their local parts until the room is wanted.
+Writes bench/results/window_kv.{json,md}. Run: `python -m prefixcache.bench.window_kv` (about a minute).
+"""
+import argparse
+import json
+import os
+import random
+
+from prefixcache import LLM, SamplingParams
+from prefixcache.models.cpu import cpu_info
+
+PROMPTS = (1024, 4096, 8192)
+OUTPUT = 64
+MIB = 2**20
+
+
+def measure(llm: LLM, tokens: int, rng: random.Random) -> dict:
+    e, pool = llm.engine, llm.engine.pool
+    prompt = [rng.randrange(1000, 200_000) for _ in range(tokens)]
+    e.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=OUTPUT, ignore_eos=True))
+    peak = 0
+    while e.has_unfinished():
+        e.step()
+        peak = max(peak, pool.usable_blocks - pool.num_free)
+    every_layer = -(-(tokens + OUTPUT) // pool.block_size) * pool.block_size * pool.bytes_per_token
+    return {"prompt": tokens, "peak_mib": peak * pool.block_bytes / MIB, "every_layer_mib": every_layer / MIB,
+            "after_mib": (pool.usable_blocks - pool.num_free) * pool.block_bytes / MIB}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    rng = random.Random(0)
+    report = {"cpu": str(cpu_info()), "model": args.model, "output_tokens": OUTPUT}
+    for cache in (False, True):
+        llm = LLM(model=args.model, enable_prefix_cache=cache, max_batch_tokens=512, max_model_len=16384)
+        pool = llm.engine.pool
+        report["pool"] = {"page_layers": pool.page_layers, "local_pages": pool.local_pages, "window": pool.window,
+                          "bytes_per_token": pool.bytes_per_token}
+        report["cache_on" if cache else "cache_off"] = [measure(llm, n, rng) for n in PROMPTS]
+        print(json.dumps(report), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(f"{args.out}/window_kv.json", "w") as f:
+        json.dump(report, f, indent=1)
+    p = report["pool"]
+    lines = ["# Gemma 3's KV with the local layers' pages given back", "",
+             f"{report['cpu']}. {args.model}: a page holds {p['page_layers']} global layers, a block's local part "
+             f"{p['local_pages']} pages (the local layers, window {p['window']}); {p['bytes_per_token']} bytes a "
+             f"token in every layer (fp32). One request at a time, {OUTPUT} output tokens, chunks of 512.", "",
+             "| prompt tokens | peak KV, cache off (MiB) | every layer, every token (MiB) | ratio | "
+             "held after it finished, cache on (MiB) |", "|---|---|---|---|---|"]
+    for off, on in zip(report["cache_off"], report["cache_on"]):
+        lines.append(f"| {off['prompt']} | {off['peak_mib']:.1f} | {off['every_layer_mib']:.1f} | "
+                     f"{off['every_layer_mib'] / off['peak_mib']:.2f}x | {on['after_mib']:.1f} |")
+    with open(f"{args.out}/window_kv.md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
