@@ -3,7 +3,8 @@
 For one request of 1k, 4k and 8k random prompt token ids and 64 greedy output tokens (prefix cache off, chunks of
 512), in process on Gemma 3 270M: the most KV the pool held at once (its pages in use after each step), against what
 keeping every layer's keys and values for every token takes (the pool before the local parts). Then the same with
-the prefix cache on: the finished request's blocks stay cached with their local parts until the room is wanted.
+the prefix cache on (emptied before each request): the finished request's blocks stay cached with their local parts
+until the room is wanted.
 Writes bench/results/window_kv.{json,md}. Run: `python -m prefixcache.bench.window_kv` (about a minute).
 """
 import argparse
@@ -21,6 +22,7 @@ MIB = 2**20
 
 def measure(llm: LLM, tokens: int, rng: random.Random) -> dict:
     e, pool = llm.engine, llm.engine.pool
+    e.blocks.clear()  # the earlier requests' entries
     prompt = [rng.randrange(1000, 200_000) for _ in range(tokens)]
     e.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=OUTPUT, ignore_eos=True))
     peak = 0
