@@ -5,7 +5,7 @@ absolute positions), and folds the spans' states in order; each block is found t
 where it lies: no gather, no padding, no tiles. Its bits depend on its query and its keys only, whatever the batch,
 the chunking, the threads or the blocks' places in the pool. A step with fewer units than two a thread (one or two
 sequences decoding) runs each span apart, then folds them: the same arithmetic, on every thread.
-Items group tokens that read the same blocks (one sequence's tokens; decode tokens of sequences whose first block
+Items group tokens that read the same blocks (one sequence's tokens; decode tokens of sequences whose first block read
 is the same, as n samples of one prompt or a shared cached prefix), so those blocks are loaded once per item.
 """
 from dataclasses import dataclass
@@ -33,7 +33,7 @@ def plan(groups: list[Queries], num_tokens: int, block_size: int, window: int = 
     row_seq = torch.zeros(num_tokens, dtype=torch.int32)
     width = max(len(g.block_table) for g in groups)
     tables = torch.full((len(groups), width), -1, dtype=torch.int32)  # past a table: refused if read
-    decode: dict[int, list[int]] = {}  # first block -> decode tokens
+    decode: dict[int, list[int]] = {}  # the first block read (a window's: the blocks before may be gone) -> tokens
     order, items = [], [0]
     for s, g in enumerate(groups):
         rows = range(g.first, g.first + len(g.positions))
@@ -41,7 +41,8 @@ def plan(groups: list[Queries], num_tokens: int, block_size: int, window: int = 
         row_seq[rows.start:rows.stop] = s
         tables[s, :len(g.block_table)] = torch.tensor(g.block_table, dtype=torch.int32)
         if len(rows) == 1:
-            decode.setdefault(g.block_table[0], []).append(rows.start)
+            first = max(0, g.positions[0] - window + 1) // block_size if window else 0
+            decode.setdefault(g.block_table[first], []).append(rows.start)
             continue
         for i in range(0, len(rows), ITEM_TOKENS):
             order += rows[i:i + ITEM_TOKENS]
