@@ -1,6 +1,8 @@
 """Sliding-window attention (a local layer reads its last `window` keys, its own included), on our kernel and on the
 torch path: against float64 with windows that start inside a key block, across blocks of 16, key blocks of 64 and
 spans of 256; and each row's bits whatever its batch, its chunking, the threads and where its blocks lie."""
+import dataclasses
+
 import pytest
 import torch
 from conftest import GREEDY, generate_with_logits
@@ -151,3 +153,18 @@ def test_a_prompt_runs_in_a_pool_too_small_for_every_layer_of_it(tiny_gemma):
                        generate_with_logits(roomy, [prompt], GREEDY)[1][0])
     with pytest.raises(ValueError, match="need 158 KV blocks; the cache holds 120"):
         small.generate([prompt * 2], GREEDY)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_samples_forked_from_a_long_prompt_share_its_local_parts_and_give_them_all_back(tiny_gemma, cache):
+    """n = 3 greedy samples of a 350-token prompt fork from its computed prompt: they share its blocks and its
+    window's local parts, and each decodes 40 tokens past it with the logits of one request run alone; once they
+    finish, the pool holds nothing but what the cache keeps."""
+    prompt, params = list(range(3000, 3350)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    alone = generate_with_logits(LLM(model=tiny_gemma, enable_prefix_cache=False), [prompt], params)[1][0]
+    llm = LLM(model=tiny_gemma, enable_prefix_cache=cache, max_batch_tokens=96)
+    outs, logits = generate_with_logits(llm, [prompt], dataclasses.replace(params, n=3))
+    assert len(outs) == 3 and all(torch.equal(got, alone) for got in logits)
+    pool, nodes = llm.engine.pool, list(llm.engine.blocks.cache.nodes.values()) if cache else []
+    assert pool.num_free == pool.usable_blocks - sum(1 + 2 * n.local for n in nodes)
+    assert sum(pool.local_refs) == sum(n.local for n in nodes)
