@@ -168,3 +168,19 @@ def test_samples_forked_from_a_long_prompt_share_its_local_parts_and_give_them_a
     pool, nodes = llm.engine.pool, list(llm.engine.blocks.cache.nodes.values()) if cache else []
     assert pool.num_free == pool.usable_blocks - sum(1 + 2 * n.local for n in nodes)
     assert sum(pool.local_refs) == sum(n.local for n in nodes)
+
+
+def test_requests_preempted_for_room_give_their_cold_logits(tiny_gemma):
+    """Three 200-token prompts decoding 300 tokens each in a pool of 100 pages (one ends holding about 52): the
+    scheduler evicts cached local parts and blocks, then preempts, and readmits from whatever hits are left. Every
+    request still gets the logits it gets alone, and the pool ends with what the cache keeps."""
+    prompts = [list(range(3000 + 1000 * i, 3200 + 1000 * i)) for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    roomy = LLM(model=tiny_gemma, enable_prefix_cache=False)
+    alone = [generate_with_logits(roomy, [p], params)[1][0] for p in prompts]
+    small = LLM(model=tiny_gemma, max_batch_tokens=96, kv_cache_bytes=101 * roomy.engine.pool.block_bytes)
+    _, together = generate_with_logits(small, prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+    pool, nodes = small.engine.pool, small.engine.blocks.cache.nodes.values()
+    assert pool.num_free == pool.usable_blocks - sum(1 + 2 * n.local for n in nodes)
