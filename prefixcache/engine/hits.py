@@ -39,6 +39,8 @@ class Hits:
         gone = self.cache.explain(seq.cache.keys[j]) if j < len(seq.cache.keys) else None
         if gone:
             return gone
+        if j < len(seq.cache.keys) and self.cache.get(seq.cache.keys[j]) is not None:
+            return "evicted"  # cached, but a local part its window reads was evicted (cache/pool.py)
         if seq.cache.policy.limit(len(seq.tokens)) == 0:
             return "below_min_length"
         return "diverged" if len(m) else "cold"

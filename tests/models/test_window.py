@@ -136,6 +136,7 @@ def test_a_hit_is_cut_back_to_where_its_windows_local_parts_are_cached(tiny_gemm
     prompts = [a[:208] + [5, 6], a + [7]]  # windows from blocks 5 and 13 on
     outs, warm_logits = generate_with_logits(warm, prompts, GREEDY)
     assert outs[0].cached_tokens == 0 and outs[1].cached_tokens >= 336
+    assert outs[0].miss_cause == "evicted"  # its blocks are cached; their local parts were evicted
     for p, got in zip(prompts, warm_logits):
         assert torch.equal(generate_with_logits(cold, [p], GREEDY)[1][0], got)
 
