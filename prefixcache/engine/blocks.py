@@ -330,18 +330,24 @@ class BlockManager:
         existing = self.cache.get(key)
         ttl, label = c.policy.ttl(p)
         if existing is None:
-            source = seq.block_table[j]
-            if self.pool.local_pages and not self.pool.has_local(source):
+            source, local = seq.block_table[j], self.pool.local_pages
+            if local and not self.pool.has_local(source):
                 return  # its local layers' keys are gone: a hit on it could not be served
-            if not self.reserve(1 + self.pool.local_pages):
+            if local:
+                self.pool.ref_local(source)  # held for the copy: making room may not evict it
+            fits = self.reserve(1 + local)
+            if fits:
+                block = self.pool.allocate(1)[0]
+                if local:
+                    self.pool.add_local(block)
+                self.pool.copy(source, block)
+            if local:
+                self.pool.unref_local(source)
+            if not fits:
                 return
-            block = self.pool.allocate(1)[0]
-            if self.pool.local_pages:
-                self.pool.add_local(block)
-            self.pool.copy(source, block)
             node, created = self.cache.insert(parent, key, scope.key, tokens, block, ttl, seq.priority, scope.owner,
                                               scope.adapter)
-            if self.pool.local_pages:
+            if local:
                 self.pool.unref_local(block)
             self.pool.unref(block)  # the cache now holds the only reference
             if created:
