@@ -102,7 +102,7 @@ class KVPool:
             self.num_free += 1
 
     def has_local(self, block: int) -> bool:
-        return bool(self.local_pages) and self.local_refs[block] > 0
+        return self.local_refs[block] > 0
 
     def add_local(self, block: int, like: int | None = None) -> None:
         """Give a block a local part (one reference), its pages after those of block `like` where free."""

@@ -335,15 +335,14 @@ class BlockManager:
                 return  # its local layers' keys are gone: a hit on it could not be served
             if local:
                 self.pool.ref_local(source)  # held for the copy: making room may not evict it
-            fits = self.reserve(1 + local)
-            if fits:
-                block = self.pool.allocate(1)[0]
+            block = self.pool.allocate(1)[0] if self.reserve(1 + local) else None
+            if block is not None:
                 if local:
                     self.pool.add_local(block)
                 self.pool.copy(source, block)
             if local:
                 self.pool.unref_local(source)
-            if not fits:
+            if block is None:
                 return
             node, created = self.cache.insert(parent, key, scope.key, tokens, block, ttl, seq.priority, scope.owner,
                                               scope.adapter)
