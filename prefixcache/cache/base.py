@@ -65,8 +65,8 @@ class Cache(Protocol):
     def top(self, n: int) -> list[tuple[Hashable, Node, int]]:
         """The n cached prefixes that saved the most prefill: (owner, its last block, tokens)."""
 
-    def blocks_by_owner(self) -> Counter:
-        """Cached blocks by owner."""
+    def pages_by_owner(self) -> Counter:
+        """Cached pages by owner: a block's page, and its local part's pages while it has one (cache/pool.py)."""
 
     def evictable_blocks(self) -> int:
         """Cached blocks that nothing but the cache references and nothing pins."""

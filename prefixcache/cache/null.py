@@ -66,7 +66,7 @@ class NullCache:
     def top(self, n: int) -> list:
         return []
 
-    def blocks_by_owner(self) -> Counter:
+    def pages_by_owner(self) -> Counter:
         return Counter()
 
     def evictable_blocks(self) -> int:

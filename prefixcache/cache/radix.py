@@ -44,7 +44,7 @@ class PrefixCache:
         self.evictions: Counter[str] = Counter()
         self.num_pinned = 0  # blocks that eviction may never take
         self.misses = Misses()
-        self.scopes: dict[bytes, list] = {}  # scope key -> [owner, live nodes, adapter]: bounded by the nodes
+        self.scopes: dict[bytes, list] = {}  # scope key -> [owner, live nodes, adapter, pages]: bounded by the nodes
         self.listeners: list[Listener] = []
         self.shares: dict[Hashable, float] = {}  # owner group -> guaranteed fraction of the pool (set_shares)
         self.group: Callable[[Hashable], Hashable] = lambda owner: owner
@@ -116,11 +116,14 @@ class PrefixCache:
         node = Node(key, parent, scope, tokens, block, ttl=ttl, priority=priority,
                     content=block_key(parent.content, b"", np.asarray(tokens, dtype=np.int32).tobytes()))
         self.misses.stored(key, node.content)
-        self.scopes.setdefault(scope, [owner, 0, adapter])[1] += 1
+        entry = self.scopes.setdefault(scope, [owner, 0, adapter, 0])
+        entry[1] += 1
+        entry[3] += 1
         self.pool.ref(block)
         if self.pool.has_local(block):
             self.pool.ref_local(block)
             node.local = True
+            entry[3] += self.pool.local_pages
         parent.children[key] = node
         self.nodes[key] = node
         self.touch([node])
@@ -164,10 +167,10 @@ class PrefixCache:
         best = heapq.nlargest(n, ends, key=lambda v: v.hits * tokens(v))
         return [(self.scopes[v.scope][0], v, depth[v.key]) for v in best]
 
-    def blocks_by_owner(self) -> Counter:
+    def pages_by_owner(self) -> Counter:
         held: Counter = Counter()
-        for owner, live, _ in self.scopes.values():
-            held[owner] += live
+        for owner, _, _, pages in self.scopes.values():
+            held[owner] += pages
         return held
 
     def touch(self, nodes: list[Node]) -> None:
@@ -191,7 +194,7 @@ class PrefixCache:
         now = self.clock()
         ranks = [(self.owner(n), _rank(n, now, whole=True)) for n in self.nodes.values() if self._evictable(n)]
         ranks += [(self.owner(n), _rank(n, now, whole=False)) for n in self.nodes.values() if self._local_evictable(n)]
-        victims = Victims(self.blocks_by_owner(), self.shares, self.group, self.pool.usable_blocks, ranks)
+        victims = Victims(self.pages_by_owner(), self.shares, self.group, self.pool.usable_blocks, ranks)
         freed = 0
         while freed < n_pages and victims:
             owner, rank = victims.pop()
@@ -201,13 +204,16 @@ class PrefixCache:
                     if len(node.tokens) == self.bs:
                         for listener in self.listeners:
                             listener.thinned(node)
-                    freed += self._drop_local(node)
+                    dropped = self._drop_local(node)
+                    victims.took(owner, dropped)
+                    freed += dropped
                 continue
             if not self._evictable(node):
                 continue
             parent = node.parent
-            victims.took(owner)
-            freed += self._remove(node, "ttl" if rank[0] == 0 else "capacity")
+            dropped = self._remove(node, "ttl" if rank[0] == 0 else "capacity")
+            victims.took(owner, dropped)
+            freed += dropped
             if parent is not None and parent.parent is not None and self._evictable(parent):
                 victims.push(self.owner(parent), _rank(parent, now, whole=True))
         return freed
@@ -218,7 +224,7 @@ class PrefixCache:
 
     def purge_owner(self, owner: Hashable) -> int:
         """Drop every unreferenced entry of every scope `owner` owns. Returns blocks freed."""
-        return self._purge({key for key, (o, _, _) in self.scopes.items() if o == owner})
+        return self._purge({key for key, (o, _, _, _) in self.scopes.items() if o == owner})
 
     def explain(self, key: bytes) -> str | None:
         """Why the block with this key is not matchable: "expired", "evicted" (or purged), or None if unknown."""
@@ -281,9 +287,11 @@ class PrefixCache:
         assert not node.local and node.alive
         self.pool.add_local(node.block)
         node.local = True
+        self.scopes[node.scope][3] += self.pool.local_pages
 
     def _drop_local(self, node: Node) -> int:
         node.local = False
+        self.scopes[node.scope][3] -= self.pool.local_pages
         self.pool.unref_local(node.block)
         return self.pool.local_pages
 
@@ -300,11 +308,13 @@ class PrefixCache:
             del self.roots[node.parent.key]
         self.evictions[reason] += 1
         self.misses.removed(node.key, node.content, reason)
+        freed = self._drop_local(node) if node.local else 0
         entry = self.scopes[node.scope]
         entry[1] -= 1
+        entry[3] -= 1
         if not entry[1]:
+            assert not entry[3], "a scope without nodes counts pages"
             del self.scopes[node.scope]
-        freed = self._drop_local(node) if node.local else 0
         self.pool.unref(node.block)
         return 1 + freed
 

@@ -11,7 +11,8 @@ from collections.abc import Callable, Hashable, Iterable
 
 
 def guarantees(held: Counter, shares: dict[Hashable, float], capacity: int) -> dict[Hashable, float]:
-    """Guaranteed blocks of each group holding any: its share of the pool, or an equal part of the rest."""
+    """Guaranteed units of `capacity` (pages, slots) of each group holding any: its share, or an equal part of the
+    rest."""
     free = [g for g in held if g not in shares]
     rest = capacity * (1 - sum(shares.values())) / max(len(free), 1)
     return {g: capacity * shares[g] if g in shares else rest for g in held}
@@ -24,7 +25,7 @@ class Victims:
     def __init__(self, held: Counter, shares: dict[Hashable, float], group: Callable[[Hashable], Hashable],
                  capacity: int, ranks: Iterable[tuple[Hashable, tuple]]):
         self.group = group
-        self.held: Counter = Counter()  # blocks by group
+        self.held: Counter = Counter()  # pages by group
         for owner, n in held.items():
             self.held[group(owner)] += n
         self.guaranteed = guarantees(self.held, shares, capacity)
@@ -49,5 +50,5 @@ class Victims:
             del heaps[owner]
         return owner, rank
 
-    def took(self, owner: Hashable) -> None:
-        self.held[self.group(owner)] -= 1
+    def took(self, owner: Hashable, pages: int) -> None:
+        self.held[self.group(owner)] -= pages

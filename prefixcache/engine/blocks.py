@@ -271,8 +271,8 @@ class BlockManager:
         return self.tiering.health() if self.tiering else {}
 
     def usage(self, top: int) -> tuple[dict, list]:
-        """Cached blocks by owner, and the `top` cached prefixes that saved the most prefill."""
-        return self.cache.blocks_by_owner(), self.cache.top(top)
+        """Cached pages by owner, and the `top` cached prefixes that saved the most prefill."""
+        return self.cache.pages_by_owner(), self.cache.top(top)
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def blocks_for(self, n_tokens: int) -> int:

@@ -49,11 +49,11 @@ class CacheAdmin:
         self.scheduler.shares = dict(shares)
 
     def usage(self, top: int = 10) -> dict:
-        """For the operator: each tenant's cached blocks and recent engine use (tokens computed, fading over
-        USAGE_HALF_LIFE), and the cached prefixes that saved the most prefill (no token text: key, size, reuse)."""
+        """For the operator: each tenant's cached pages (cache/pool.py) and recent engine use (tokens computed, fading
+        over USAGE_HALF_LIFE), and the cached prefixes that saved the most prefill (no token text: key, size, reuse)."""
         (held, top), recent = self.blocks.usage(top), self.scheduler.usage
         tenants = sorted({t for t, _ in held} | set(recent))
-        return {"tenants": [{"tenant": t, "blocks": sum(n for (owner, _), n in held.items() if owner == t),
+        return {"tenants": [{"tenant": t, "pages": sum(n for (owner, _), n in held.items() if owner == t),
                              "recent_tokens": round(recent.get(t, 0.0), 1)} for t in tenants],
                 "prefixes": [{"tenant": owner[0], "labels": list(owner[1]), "key": node.key.hex()[:16],
                               "tokens": tokens, "hits": node.hits, "saved_tokens": node.hits * tokens}

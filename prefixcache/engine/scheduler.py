@@ -246,10 +246,10 @@ class Scheduler:
 
     def _victim(self) -> Sequence:
         """Whom memory pressure preempts: the newest running sequence of the tenant whose running sequences hold the
-        most KV blocks over its part of the pool."""
+        most KV pages over its part of the pool (a page a block, and the pages of the local parts it holds)."""
         held = Counter()
         for seq in self.running:
-            held[seq.scope.tenant] += len(seq.block_table)
+            held[seq.scope.tenant] += len(seq.block_table) + len(seq.local) * self.blocks.pool.local_pages
         fair = guarantees(held, self.shares, self.blocks.pool.usable_blocks)
         over = max(held, key=lambda t: held[t] - fair[t])
         return next(s for s in reversed(self.running) if s.scope.tenant == over)

@@ -134,6 +134,10 @@ class HybridMachine(CacheMachine):
         assert not set(pages) & set(holders)
         assert len(holders) + len(pages) + pool.num_free == pool.usable_blocks
         assert [pool.refs[b] for b in holders] == [holders[b] for b in holders]
+        by_owner = Counter()
+        for n in self.cache.nodes.values():
+            by_owner[self.cache.owner(n)] += 1 + pool.local_pages * n.local
+        assert self.cache.pages_by_owner() == by_owner  # what eviction weighs the owners' shares by
 
 
 HybridMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

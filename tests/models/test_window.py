@@ -2,12 +2,13 @@
 torch path: against float64 with windows that start inside a key block, across blocks of 16, key blocks of 64 and
 spans of 256; and each row's bits whatever its batch, its chunking, the threads and where its blocks lie."""
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
 from conftest import GREEDY, generate_with_logits
 
-from prefixcache import LLM, SamplingParams, kernels
+from prefixcache import LLM, CacheScope, SamplingParams, kernels
 from prefixcache.models import attention, paged
 from prefixcache.models.attention import Queries
 from prefixcache.models.exactness import rows_plan
@@ -185,3 +186,19 @@ def test_requests_preempted_for_room_give_their_cold_logits(tiny_gemma):
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
     pool, nodes = small.engine.pool, small.engine.blocks.cache.nodes.values()
     assert pool.num_free == pool.usable_blocks - sum(1 + 2 * n.local for n in nodes)
+
+
+def test_eviction_weighs_a_tenants_cached_pages_not_its_blocks(tiny_gemma):
+    """A cached block holding its local part is three pages here, one without. Tenant a caches 23 blocks and then
+    loses 22 of their local parts (25 pages left), b caches 13 blocks with theirs (39 pages). Both have an equal part
+    of the pool, so b is the one over it, though it has fewer blocks: the next eviction takes b's local parts, and a
+    keeps every page it has."""
+    llm = LLM(model=tiny_gemma, kv_cache_bytes=151 * LLM(model=tiny_gemma).engine.pool.block_bytes)
+    cache = llm.engine.blocks.cache
+    llm.generate([list(range(3000, 3350))], GREEDY, scope=CacheScope(tenant="a"))
+    assert cache.evict(2 * 22) == 44
+    llm.generate([list(range(5000, 5200))], GREEDY, scope=CacheScope(tenant="b"))
+    blocks = Counter(cache.owner(n)[0] for n in cache.nodes.values())
+    assert blocks == {"a": 23, "b": 13} and {o[0]: n for o, n in cache.pages_by_owner().items()} == {"a": 25, "b": 39}
+    assert cache.evict(6) == 6
+    assert {o[0]: n for o, n in cache.pages_by_owner().items()} == {"a": 25, "b": 33}
