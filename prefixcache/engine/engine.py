@@ -117,7 +117,7 @@ class Engine:
                          for name, folder in config.adapters.items()}
         self.runner = ModelRunner(model, self.pool, config.max_num_seqs,
                                   {a.fingerprint: a for a in self.adapters.values()})
-        self.sampler = Sampler(self.model_config.eos_token_ids)
+        self.sampler = Sampler(self.model_config.eos_token_ids, model.ops)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.speculation = Speculation(Drafter(config.speculative, config.num_speculative_tokens), self.sampler,
                                        self.blocks, config.num_speculative_tokens, config.max_batch_tokens,

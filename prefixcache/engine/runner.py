@@ -7,7 +7,7 @@ import torch
 from prefixcache import kernels
 from prefixcache.cache.pool import KVPool
 from prefixcache.config import Config
-from prefixcache.engine.sampler import logprobs
+from prefixcache.engine.sampler import logprob, row_stats
 from prefixcache.engine.sequence import Sequence
 from prefixcache.models.attention import Queries
 from prefixcache.models.llama import Batch, Llama
@@ -69,11 +69,12 @@ class ModelRunner:
         at most head_rows rows per call: the row counts the exactness probe verified for it."""
         rows = self.head_rows
         for i in range(0, len(hidden), rows):
-            raw = torch.log_softmax(self.model.logits(hidden[i:i + rows]).float(), dim=-1)
+            logits = self.model.logits(hidden[i:i + rows]).float()
             p = start + i + 1
-            targets = seq.tokens[p:p + len(raw)]
-            seq.prompt_logprobs[p:p + len(raw)] = logprobs(raw, targets, [seq.params.prompt_logprobs] * len(raw),
-                                                           ranks=True)
+            targets = seq.tokens[p:p + len(logits)]
+            seq.prompt_logprobs[p:p + len(targets)] = [
+                logprob(row, row_stats(self.model.ops, row), t, seq.params.prompt_logprobs, ranked=True)
+                for row, t in zip(logits, targets)]
 
 
 def choose_ops(config: Config, head_dim: int) -> tuple[KernelOps | TorchOps, str]:

@@ -1,7 +1,8 @@
 """What the startup probe (models/probe.py) checks of our kernels beside the row-wise ops' row counts (mode
 "kernel"): RoPE with the KV store, and paged attention with each window the model uses, at every row count; paged
-attention rows equal whatever their batch, items and block placement; every op agrees with float64; and, for every
-file and library, that each weight read as shipped (models/quant.py) gives the bits of its dequantized values."""
+attention rows equal whatever their batch, items and block placement; every op agrees with float64 (the sampler's
+logit_stats too, on the model's vocabulary); and, for every file and library, that each weight read as shipped
+(models/quant.py) gives the bits of its dequantized values."""
 import torch
 import torch.nn.functional as F
 
@@ -16,7 +17,8 @@ SWEEP_KEYS = 320  # keys past a window in the row counts' check of attention: be
 
 def problems(model, gen: torch.Generator) -> list[str]:
     """What is wrong with `model`'s kernels (a Llama on KernelOps), or nothing."""
-    return [p for window in model.windows.values() for p in _paged(model, gen, window)] + _accuracy(model, gen)
+    return [p for window in model.windows.values() for p in _paged(model, gen, window)] + _accuracy(model, gen) + \
+        _logit_stats(model, gen)
 
 
 def paged_targets(model, n_rows: int, gen: torch.Generator) -> list[tuple[str, str, Target]]:
@@ -134,6 +136,19 @@ def _accuracy(model, gen: torch.Generator) -> list[str]:
         if err > 1e-5:
             problems.append(f"{op.name} off float64 by {err:.1e}")
     return problems
+
+
+def _logit_stats(model, gen: torch.Generator) -> list[str]:
+    """The sampler's op on 3 random rows of the model's vocabulary: the max and its first index exact, the
+    log-sum-exp within rounding of float64's, and each row's bits alone as in the batch."""
+    x = 8 * torch.randn(3, model.config.vocab_size, generator=gen)
+    stats, argmax = model.ops.logit_stats(x)
+    alone = [model.ops.logit_stats(x[i:i + 1]) for i in range(len(x))]
+    ref = torch.logsumexp(x.double() - x.double().max(1, keepdim=True).values, 1)
+    ok = torch.equal(stats[:, 0], x.max(1).values) and torch.equal(argmax, x.argmax(1)) and \
+        ((stats[:, 1].double() - ref).abs() / (ref + 1)).max().item() < 1e-5  # logprobs within 1e-5
+    same = all(torch.equal(s, stats[i:i + 1]) and torch.equal(a, argmax[i:i + 1]) for i, (s, a) in enumerate(alone))
+    return ([] if ok else ["logit_stats off float64"]) + ([] if same else ["logit_stats differs by batch"])
 
 
 def _slots(table: list[int], pos: int, bs: int, window: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The forward's row-wise ops (GEMMs, RMSNorm, SwiGLU), on torch or on our kernels: one object of either class.
+"""The forward's row-wise ops (GEMMs, RMSNorm, SwiGLU) and the sampler's (a row of logits' max, argmax and
+log-sum-exp), on torch or on our kernels: one object of either class.
 A GEMM may take its input through RMSNorm or SwiGLU first, and add a residual to its result: on our kernels that is
 one op, with the bits of the separate ones.
 
@@ -133,6 +134,18 @@ class TorchOps:
         y = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi)
         return 0.5 * gate * (2 - 2 / (torch.exp(2 * y) + 1)) * up
 
+    def logit_stats(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row of logits [rows, vocab]: its max and log(sum(e^(x - max))) [rows, 2], and the first index of its
+        max [rows]; a row holding NaN gets NaN and -1, a row of -inf only -inf and 0. A sum's order may depend on the
+        rows in the call: the sampler calls it a row at a time."""
+        m = logits.max(dim=1).values
+        stats = torch.stack([m, torch.log(torch.exp(logits - m[:, None]).sum(dim=1))], dim=1)
+        argmax = logits.argmax(dim=1)
+        masked, nan = m == float("-inf"), torch.isnan(logits).any(dim=1)
+        stats[masked], argmax[masked] = float("-inf"), 0
+        stats[nan], argmax[nan] = float("nan"), -1
+        return stats, argmax
+
 
 class KernelOps:
     def __init__(self, isa: str):
@@ -198,6 +211,10 @@ class KernelOps:
 
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.prefixcache.gelu_mul(gate_up.contiguous(), self.isa)
+
+    def logit_stats(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As TorchOps.logit_stats, each row in one pass of its own whatever the call's rows (kernels.inc)."""
+        return torch.ops.prefixcache.logit_stats(logits.contiguous(), self.isa)
 
 
 def _kind(w: Weight) -> str:

@@ -145,6 +145,10 @@ ROWWISE = {  # (op, its input, the problem, the message)
     "gelu_mul float64": ("gelu_mul", torch.randn(3, 32).double(), "gate_up must be Float, got Double"),
     "silu_mul not contiguous": ("silu_mul", torch.randn(32, 3).t(), "gate_up must be contiguous"),
     "gelu_mul not on the CPU": ("gelu_mul", torch.randn(3, 32, device=META), "gate_up must be on the CPU"),
+    "logit_stats 1-D": ("logit_stats", torch.randn(32), "logits must be \\[rows, vocab\\], got \\[32\\]"),
+    "logit_stats no vocabulary": ("logit_stats", torch.randn(3, 0), "logits must be \\[rows, vocab\\], got \\[3, 0\\]"),
+    "logit_stats float64": ("logit_stats", torch.randn(3, 32).double(), "logits must be Float, got Double"),
+    "logit_stats not contiguous": ("logit_stats", torch.randn(32, 3).t(), "logits must be contiguous"),
 }
 
 

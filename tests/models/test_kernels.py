@@ -104,6 +104,34 @@ def test_rms_norm_and_swiglu_match_float64_and_every_row_count():
         assert torch.equal(norm, BUILDS[0].rms_norm(x, w, 1e-5)) and torch.equal(act, BUILDS[0].swiglu(gu))
 
 
+def test_logit_stats_match_float64_every_row_count_and_build():
+    """A row's max, the first index of it and log(sum(e^(x - max))), over vocabularies of 49,152 (SmolLM2) and 37
+    (a partial vector): within fp32 rounding of float64, the same bits alone as in any batch and in both builds; a
+    row holding NaN gives NaN and -1, a row of -inf only -inf and 0, a tie the first index."""
+    g = torch.Generator().manual_seed(2)
+    for vocab in (49152, 37):
+        x = 8 * torch.randn(9, vocab, generator=g)
+        x[1, vocab // 2] = float("nan")
+        x[2] = float("-inf")
+        x[3, 5] = x[3, vocab - 1] = 1e3
+        x[4, :vocab - 1] = float("-inf")
+        x64 = x.double()
+        for ops in BUILDS:
+            stats, argmax = ops.logit_stats(x)
+            assert argmax[[1, 2, 3, 4]].tolist() == [-1, 0, 5, vocab - 1]
+            assert stats[1].isnan().all() and stats[2].tolist() == [float("-inf")] * 2
+            assert stats[4].tolist() == [x[4, -1].item(), 0.0]
+            good = [0, 3, 5, 6, 7, 8]
+            assert torch.equal(stats[good, 0], x[good].max(1).values) and torch.equal(argmax[good], x[good].argmax(1))
+            logsum64 = torch.logsumexp(x64[good] - x64[good].max(1, keepdim=True).values, 1)
+            assert _rel_err(stats[good, 1], logsum64, logsum64 + 1) < 1e-6
+            for lo, hi in ((0, 1), (5, 6), (3, 9)):
+                alone = ops.logit_stats(x[lo:hi])
+                assert torch.equal(alone[0].nan_to_num(), stats[lo:hi].nan_to_num()) and torch.equal(alone[1],
+                                                                                                    argmax[lo:hi])
+            assert torch.equal(stats.nan_to_num(), BUILDS[0].logit_stats(x)[0].nan_to_num())
+
+
 def _pool(keys: int, kv_heads: int, d: int, g: torch.Generator, bs: int = 16):
     blocks = -(-keys // bs)
     k, v = (torch.randn((blocks + 1) * bs, kv_heads, d, generator=g) for _ in range(2))
@@ -244,9 +272,9 @@ def _recording(monkeypatch) -> dict[tuple, set[int]]:
 @pytest.mark.parametrize("family", ["tiny_model", "tiny_gemma"])
 def test_the_probe_checks_every_call_the_forward_makes_at_every_row_count(family, request, monkeypatch):
     """Whatever the forward calls on our kernels (found by running it, not listed here: a fused GEMM with its norm,
-    activation or residual, a norm, RoPE with the KV store, attention with and without a window), the startup probe
-    calls too, with the same kinds of arguments, at every row count of row_counts(the batch limit) (the LM head's:
-    each up to max_head_rows)."""
+    activation or residual, a norm, RoPE with the KV store, attention with and without a window, the sampler's
+    logit_stats), the startup probe calls too, with the same kinds of arguments, at every row count of
+    row_counts(the batch limit) (the LM head's: each up to max_head_rows; the sampler's: one row, as it calls)."""
     llm = LLM(model=request.getfixturevalue(family), enable_prefix_cache=False, max_batch_tokens=80, max_num_seqs=4)
     model = llm.engine.runner.model
     assert model.paged
@@ -260,7 +288,8 @@ def test_the_probe_checks_every_call_the_forward_makes_at_every_row_count(family
     assert plan.mode == "kernel", plan.note
     head = ("weight", tuple(model.lm_head.shape))
     for call in forward:
-        rows = set(range(1, 5)) if head in dict(call[1]).values() else set(row_counts(80))
+        rows = {1} if call[0] == "logit_stats" else set(range(1, 5)) if head in dict(call[1]).values() else \
+            set(row_counts(80))
         assert call in probed and rows <= probed[call], call
 
 

@@ -72,6 +72,7 @@ struct GemmArgs {
   void rms_norm(const float* x, const float* w, float* y, int64_t k, float eps, int64_t r0, int64_t r1);       \
   void silu_mul(const float* gate_up, float* y, int64_t i, int64_t r0, int64_t r1);                            \
   void gelu_mul(const float* gate_up, float* y, int64_t i, int64_t r0, int64_t r1);                            \
+  void logit_stats(const float* x, int64_t v, float* stats, int64_t* argmax, int64_t r0, int64_t r1);          \
   void attend(const AttnArgs& a, float* scratch, int64_t u0, int64_t u1);                                      \
   void attend_spans(const AttnArgs& a, const int32_t* spans, float* partials, float* scratch, int64_t u0,        \
                     int64_t u1);                                                                               \

@@ -1,4 +1,5 @@
-// torch ops prefixcache::{supported, kinds, quant_rows, linear, rows, rms_norm, silu_mul, gelu_mul, rope_store, attend}:
+// torch ops prefixcache::{supported, kinds, quant_rows, linear, rows, rms_norm, silu_mul, gelu_mul, logit_stats,
+// rope_store, attend}:
 // argument checks, threads, and the ISA build each call names. Threads split panels, rows or attention units, never a
 // reduction.
 #include <ATen/ATen.h>
@@ -23,15 +24,16 @@ struct Isa {
   decltype(&avx2::rms_norm) rms_norm;
   decltype(&avx2::silu_mul) silu_mul;
   decltype(&avx2::gelu_mul) gelu_mul;
+  decltype(&avx2::logit_stats) logit_stats;
   decltype(&avx2::attend) attend;
   decltype(&avx2::attend_spans) attend_spans;
   decltype(&avx2::attend_merge) attend_merge;
 };
 const Isa AVX512{"avx512", avx512::rope_store, avx512::gemm, avx512::gemm_scratch, avx512::panel,
-                 avx512::quant_rows, avx512::rms_norm, avx512::silu_mul, avx512::gelu_mul, avx512::attend,
+                 avx512::quant_rows, avx512::rms_norm, avx512::silu_mul, avx512::gelu_mul, avx512::logit_stats, avx512::attend,
                  avx512::attend_spans, avx512::attend_merge};
 const Isa AVX2{"avx2", avx2::rope_store, avx2::gemm, avx2::gemm_scratch, avx2::panel, avx2::quant_rows,
-               avx2::rms_norm, avx2::silu_mul, avx2::gelu_mul, avx2::attend, avx2::attend_spans, avx2::attend_merge};
+               avx2::rms_norm, avx2::silu_mul, avx2::gelu_mul, avx2::logit_stats, avx2::attend, avx2::attend_spans, avx2::attend_merge};
 bool supports(const char* name) {
   __builtin_cpu_init();
   if (std::string(name) == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
@@ -103,6 +105,21 @@ at::Tensor gated(const at::Tensor& gate_up, decltype(&avx2::silu_mul) act) {
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) { return gated(gate_up, pick(isa).silu_mul); }
 
 at::Tensor gelu_mul(const at::Tensor& gate_up, int64_t isa) { return gated(gate_up, pick(isa).gelu_mul); }
+
+// logits [rows, vocab] -> (stats [rows, 2]: each row's max and log(sum(e^(x - max))), argmax [rows]: the first index
+// of its max), a row a thread (kernels.inc logit_stats says what a row of NaN or of -inf gives)
+std::tuple<at::Tensor, at::Tensor> logit_stats(const at::Tensor& logits, int64_t isa) {
+  check_f32(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logit_stats: logits must be [rows, vocab], got ",
+              logits.sizes());
+  const Isa& kern = pick(isa);
+  const int64_t rows = logits.size(0), v = logits.size(1);
+  at::Tensor stats = at::empty({rows, 2}, at::kFloat), argmax = at::empty({rows}, at::kLong);
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    kern.logit_stats(logits.data_ptr<float>(), v, stats.data_ptr<float>(), argmax.data_ptr<int64_t>(), r0, r1);
+  });
+  return {stats, argmax};
+}
 
 // the weight formats (kernels.h KINDS), by the index the linear op takes
 std::vector<std::string> kinds() {
@@ -359,6 +376,7 @@ TORCH_LIBRARY(prefixcache, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor", &rms_norm);
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor", &silu_mul);
   m.def("gelu_mul(Tensor gate_up, int isa) -> Tensor", &gelu_mul);
+  m.def("logit_stats(Tensor logits, int isa) -> (Tensor, Tensor)", &logit_stats);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
         "int heads, int kv_heads, int isa) -> Tensor", &rope_store);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor tables, Tensor row_seq, Tensor order, "

@@ -29,6 +29,11 @@ struct V16 {
   }
   float first() const { return _mm512_cvtss_f32(v); }
   float hmax() const { return _mm512_reduce_max_ps(v); }  // max is exact in any order
+  bool any_nan() const { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+  int first_eq(float x) const {  // the first lane equal to x, or -1
+    const unsigned m = _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_EQ_OQ);
+    return m ? __builtin_ctz(m) : -1;
+  }
   float hsum() const {
     __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
     return hsum8(s8);
@@ -87,6 +92,15 @@ struct V16 {
             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(hi), b), 23))};
   }
   float first() const { return _mm256_cvtss_f32(lo); }
+  bool any_nan() const {
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(lo, lo, _CMP_UNORD_Q), _mm256_cmp_ps(hi, hi, _CMP_UNORD_Q)));
+  }
+  int first_eq(float x) const {  // the first lane equal to x, or -1
+    const __m256 b = _mm256_set1_ps(x);
+    const unsigned m = _mm256_movemask_ps(_mm256_cmp_ps(lo, b, _CMP_EQ_OQ)) |
+                       _mm256_movemask_ps(_mm256_cmp_ps(hi, b, _CMP_EQ_OQ)) << 8;
+    return m ? __builtin_ctz(m) : -1;
+  }
   float hmax() const {
     __m256 m8 = _mm256_max_ps(lo, hi);
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
