@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -75,11 +77,21 @@ void check_head_size(int64_t d, const char* op) {
   TORCH_CHECK(d > 0 && d % 16 == 0, op, ": head size must be a positive multiple of 16, got ", d);
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa) {
+void check_rms_norm(const at::Tensor& x, const at::Tensor& w) {
   check_f32(x, "x");
   check_f32(w, "weight");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.numel() == x.size(1), "rms_norm: x [rows, k] and weight [k] "
               "expected, got ", x.sizes(), " and ", w.sizes());
+}
+
+void check_gated(const at::Tensor& gate_up) {
+  check_f32(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul, gelu_mul: [rows, 2 * inter] expected, got ",
+              gate_up.sizes());
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa) {
+  check_rms_norm(x, w);
   const Isa& k = pick(isa);
   at::Tensor y = at::empty_like(x);
   const int64_t cols = x.size(1);
@@ -91,9 +103,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_
 
 // gate_up [m, 2 i] -> act(gate) * up [m, i]
 at::Tensor gated(const at::Tensor& gate_up, decltype(&avx2::silu_mul) act) {
-  check_f32(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul, gelu_mul: [rows, 2 * inter] expected, got ",
-              gate_up.sizes());
+  check_gated(gate_up);
   const int64_t inter = gate_up.size(1) / 2;
   at::Tensor y = at::empty({gate_up.size(0), inter}, gate_up.options());
   at::parallel_for(0, gate_up.size(0), 16, [&](int64_t r0, int64_t r1) {
@@ -142,7 +152,11 @@ at::Tensor linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kin
   TORCH_CHECK(!(norm.has_value() && swiglu), "linear: rms_norm or swiglu, not both");
   TORCH_CHECK(!parts.empty() && kind_ids.size() == parts.size() && rows.size() == parts.size(),
               "linear: one kind and one row count per part");
-  const at::Tensor in = norm.has_value() ? rms_norm(x, *norm, eps, isa) : swiglu ? silu_mul(x, isa) : x;
+  if (norm.has_value()) check_rms_norm(x, *norm);
+  if (swiglu) check_gated(x);
+  // the input through its RMSNorm or SwiGLU: computed below, in the GEMM's own threads
+  const at::Tensor in = norm.has_value() ? at::empty_like(x) : swiglu ? at::empty({x.size(0), x.size(1) / 2},
+                                                                                  x.options()) : x;
   check_f32(in, "x");
   TORCH_CHECK(in.dim() == 2, "linear: x must be [rows, k]");
   const int64_t m = in.size(0), kk = in.size(1);
@@ -180,10 +194,25 @@ at::Tensor linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kin
   float* yp = y.data_ptr<float>();
   int64_t scratch = 0;
   for (size_t i = 0; i < parts.size(); i++) scratch = std::max(scratch, k.gemm_scratch((int)kind_ids[i], m));
-  // threads split the stacked weight's panels: each part computes its columns of y over its share of them
-  at::parallel_for(0, first_panel.back(), 1, [&](int64_t p0, int64_t p1) {
+  // One parallel region: threads split the rows of the RMSNorm or SwiGLU, wait for each other, then split the
+  // stacked weight's panels (each part computes its columns of y over its share of them). A region's start wakes the
+  // threads, which sleep between regions (OMP_WAIT_POLICY=PASSIVE): tens of us each on a KVM guest, so a fused
+  // call runs one region, not two. Threads split rows and panels, never a sum: the bits are the separate ops'.
+  const int64_t panels = first_panel.back();
+  const int threads = omp_in_parallel() ? 1 : (int)std::min<int64_t>(at::get_num_threads(), panels);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t r_step = (m + nt - 1) / nt, r0 = std::min(m, t * r_step), r1 = std::min(m, r0 + r_step);
+    if (norm.has_value())
+      k.rms_norm(x.data_ptr<float>(), norm->data_ptr<float>(), in.data_ptr<float>(), kk, (float)eps, r0, r1);
+    else if (swiglu)
+      k.silu_mul(x.data_ptr<float>(), in.data_ptr<float>(), kk, r0, r1);
+#pragma omp barrier
+    const int64_t p_step = (panels + nt - 1) / nt, p0 = std::min(panels, t * p_step),
+                  p1 = std::min(panels, p0 + p_step);
     std::vector<float> buffer(scratch);
-    for (size_t i = 0; i < parts.size(); i++) {
+    for (size_t i = 0; i < parts.size() && p0 < p1; i++) {
       const int64_t lo = std::max(p0, first_panel[i]), hi = std::min(p1, first_panel[i + 1]);
       if (lo >= hi) continue;
       const int64_t col = first_panel[i] * 16;
@@ -191,7 +220,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kin
                  yp + col, n};
       k.gemm((int)kind_ids[i], a, buffer.data(), lo - first_panel[i], hi - first_panel[i]);
     }
-  });
+  }
   return y;
 }
 
