@@ -74,7 +74,7 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor, seq: Sequence, stats: tuple[float, float, int] | None = None) -> int:
         """The token at the sequence's next position: the argmax, or a draw seeded by (seed, position). `stats`:
-        the row's (_stats), if known."""
+        the row's row_stats, if known."""
         best, _, argmax = stats or row_stats(self.ops, logits)
         if math.isnan(best):
             raise RowFault(Fault("the model produced NaN logits", internal=True))

@@ -32,10 +32,11 @@ struct Isa {
   decltype(&avx2::attend_merge) attend_merge;
 };
 const Isa AVX512{"avx512", avx512::rope_store, avx512::gemm, avx512::gemm_scratch, avx512::panel,
-                 avx512::quant_rows, avx512::rms_norm, avx512::silu_mul, avx512::gelu_mul, avx512::logit_stats, avx512::attend,
-                 avx512::attend_spans, avx512::attend_merge};
+                 avx512::quant_rows, avx512::rms_norm, avx512::silu_mul, avx512::gelu_mul, avx512::logit_stats,
+                 avx512::attend, avx512::attend_spans, avx512::attend_merge};
 const Isa AVX2{"avx2", avx2::rope_store, avx2::gemm, avx2::gemm_scratch, avx2::panel, avx2::quant_rows,
-               avx2::rms_norm, avx2::silu_mul, avx2::gelu_mul, avx2::logit_stats, avx2::attend, avx2::attend_spans, avx2::attend_merge};
+               avx2::rms_norm, avx2::silu_mul, avx2::gelu_mul, avx2::logit_stats, avx2::attend, avx2::attend_spans,
+               avx2::attend_merge};
 bool supports(const char* name) {
   __builtin_cpu_init();
   if (std::string(name) == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
