@@ -202,3 +202,19 @@ def test_eviction_weighs_a_tenants_cached_pages_not_its_blocks(tiny_gemma):
     assert blocks == {"a": 23, "b": 13} and {o[0]: n for o, n in cache.pages_by_owner().items()} == {"a": 25, "b": 39}
     assert cache.evict(6) == 6
     assert {o[0]: n for o, n in cache.pages_by_owner().items()} == {"a": 25, "b": 33}
+
+
+def test_memory_pressure_preempts_from_the_tenant_holding_the_most_pages(tiny_gemma):
+    """Running, a holds three short sequences whose every block keeps its local part (15 blocks, 45 pages), b one
+    long one whose early blocks have left its window (25 blocks, 43 pages). Counted in pages, a is the one over its
+    part of the pool, though b holds more blocks: the scheduler's memory victim is a's newest sequence."""
+    llm = LLM(model=tiny_gemma, enable_prefix_cache=False, max_batch_tokens=96)
+    e, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    b = e.add_request(list(range(3000, 3390)), params, CacheScope(tenant="b"))
+    a = [e.add_request(list(range(5000 + 100 * i, 5070 + 100 * i)), params, CacheScope(tenant="a")) for i in range(3)]
+    while any(s.num_uncomputed > 1 for s in [b, *a]):
+        e.step()
+    pages = {s.id: len(s.block_table) + 2 * len(s.local) for s in [b, *a]}
+    assert [len(s.block_table) for s in a] == [5] * 3 and len(b.block_table) == 25
+    assert sum(pages[s.id] for s in a) == 45 and pages[b.id] == 43
+    assert e.scheduler._victim() is a[-1]
