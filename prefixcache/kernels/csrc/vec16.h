@@ -46,6 +46,12 @@ struct V16 {
   // 16 bytes, each unsigned or signed, as floats (exact)
   static V16 from_u8(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
   static V16 from_i8(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))}; }
+  // 16 bytes' low and high nibbles, less `minus`, as floats (exact): the bytes widened once, then split
+  static void nibbles(__m128i b, int minus, V16& lo, V16& hi) {
+    const __m512i w = _mm512_cvtepu8_epi32(b), m = _mm512_set1_epi32(minus);
+    lo = {_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(w, _mm512_set1_epi32(15)), m))};
+    hi = {_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(w, 4), m))};
+  }
   static __mmask16 mask(int n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
   static float hsum8(__m256 s8) {
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
@@ -127,6 +133,14 @@ struct V16 {
   }
   static V16 from_i8(__m128i b) {
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+  }
+  static void nibbles(__m128i b, int minus, V16& lo, V16& hi) {
+    const __m256i w0 = _mm256_cvtepu8_epi32(b), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    const __m256i f = _mm256_set1_epi32(15), m = _mm256_set1_epi32(minus);
+    lo = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w0, f), m)),
+          _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w1, f), m))};
+    hi = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w0, 4), m)),
+          _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w1, 4), m))};
   }
   static __m256i mask8(int n) {  // lanes below n all ones
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
