@@ -7,11 +7,15 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# OpenMP threads that wait for work sleep rather than spin (read when torch loads, so only if it has not yet): a
-# spinning worker holds its core from the server's other threads and from a client on the same machine, and a step
-# then waits for a worker that is not running. On 2 cores, a server at 3 req/s met its objectives for 2% of requests
-# with spinning workers and 75% with sleeping ones; a lone decode loop with nothing else running loses 10-30%.
+# OpenMP threads that wait for work spin briefly, then sleep (read when torch loads, so only if it has not yet).
+# libgomp's default spin (300,000 pauses, milliseconds) holds a core from the server's other threads and from a
+# client on the same machine, and a step then waits for a worker that is not running: on 2 cores, a server at 3 req/s
+# met its objectives for 2% of requests, against 75% with workers that sleep at once (PASSIVE). But waking a
+# sleeping worker costs tens of microseconds on a KVM guest, and a decode step starts a parallel region per GEMM:
+# SmolLM2's b = 1 step took 23 ms sleeping at once and 8.5-9 ms spinning 5,000-30,000 pauses (0.3-1.5 ms) first, and
+# the server at 12 req/s (shared-system-prompt) met its objectives for 78% of requests against 34% (Intel Xeon).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 EXPORTS = {"LLM": "prefixcache.engine.llm", "SamplingParams": "prefixcache.engine.sequence",
            "RequestOutput": "prefixcache.engine.sequence", "CacheScope": "prefixcache.cache.scope",

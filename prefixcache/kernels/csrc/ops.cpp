@@ -197,7 +197,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kin
   for (size_t i = 0; i < parts.size(); i++) scratch = std::max(scratch, k.gemm_scratch((int)kind_ids[i], m));
   // One parallel region: threads split the rows of the RMSNorm or SwiGLU, wait for each other, then split the
   // stacked weight's panels (each part computes its columns of y over its share of them). A region's start wakes the
-  // threads, which sleep between regions (OMP_WAIT_POLICY=PASSIVE): tens of us each on a KVM guest, so a fused
+  // threads if they slept (after a brief spin: prefixcache/__init__.py), tens of us each on a KVM guest, so a fused
   // call runs one region, not two. Threads split rows and panels, never a sum: the bits are the separate ops'.
   const int64_t panels = first_panel.back();
   const int threads = omp_in_parallel() ? 1 : (int)std::min<int64_t>(at::get_num_threads(), panels);
