@@ -12,7 +12,7 @@ def run(args) -> None:
     engine = Engine(Config(**resolve(args)[0]))
     cpu, plan, model = cpu_info(), engine.exactness, engine.runner.model
     print(f"cpu      {cpu.model}\nsimd     {' '.join(cpu.simd) or 'none'}\n"
-          f"threads  {cpu.threads}\ntorch    {cpu.torch} ({cpu.blas})\n"
+          f"threads  {cpu.threads}\nopenmp   {_wait()}\ntorch    {cpu.torch} ({cpu.blas})\n"
           f"model    {engine.model_name} ({engine.config.dtype}, KV {engine.config.kv_storage_dtype})\n"
           f"kernels  {plan.kernels}")
     print(f"probe    {'cached' if plan.cached else 'ran'}, {plan.probe_seconds:.2f} s; row counts whose every row "
@@ -32,6 +32,17 @@ def run(args) -> None:
         bare, run = step_ms(model, b), step_ms(model, b, plan)
         print(f"cost     b={b}: one decode step's GEMMs, norms and SwiGLU {bare:.1f} ms unpadded, {run:.1f} ms as "
               f"run ({plan.call_rows(b)} rows per call): x{run / bare:.2f}")
+
+
+def _wait() -> str:
+    """How OpenMP's threads wait for work, from the settings libgomp read when torch loaded (prefixcache/__init__.py
+    sets them unless they were set, or torch was imported first)."""
+    import os
+
+    policy, spin = os.environ.get("OMP_WAIT_POLICY", "").upper(), os.environ.get("GOMP_SPINCOUNT")
+    wait = f"spin {spin} pauses, then sleep" if spin else {"PASSIVE": "sleep at once", "ACTIVE": "spin"}.get(
+        policy, "spin 300,000 pauses (libgomp's default), then sleep")
+    return f"waiting threads {wait} (OMP_WAIT_POLICY={policy or 'unset'}, GOMP_SPINCOUNT={spin or 'unset'})"
 
 
 def _ranges(values: list[int], step: int = 1) -> str:

@@ -108,7 +108,7 @@ def test_bfloat16_weights_need_a_cpu_with_native_bf16_and_stay_exact(tiny_model)
 def test_doctor_prints_the_cpu_the_classes_the_mode_and_its_cost(tiny_model, capsys):
     main(["doctor", "--model", tiny_model, "--kernels", "off"])
     out = capsys.readouterr().out
-    for line in ("cpu ", "simd ", "threads ", "probe ", "  qkv ", "  attention ", "mode     pad: ", "cost     b=1: ",
-                 "kernels  off: kernels=off"):
+    for line in ("cpu ", "simd ", "threads ", "openmp   waiting threads ", "probe ", "  qkv ", "  attention ",
+                 "mode     pad: ", "cost     b=1: ", "kernels  off: kernels=off"):
         assert line in out, line
     assert str(ATTN_SIZES[-1]) in out
