@@ -7,16 +7,17 @@ from conftest import generate_with_logits
 from prefixcache import LLM, SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-TOPICS = ["caches", "rivers", "compilers", "bread", "glaciers", "chess", "bridges", "tea", "orbits"]
+TOPICS = ["caches", "rivers", "compilers", "bread", "glaciers", "chess", "bridges", "tea", "orbits", "maps", "clocks",
+          "honey", "volcanoes", "violins", "lighthouses", "paper", "salt"]
 
 
 def _chats(llm: LLM, turns: int) -> list[list[int]]:
-    """Nine chats of 140 to 700 tokens, each its own length, sharing a system prompt."""
+    """Seventeen chats of 140 to 700 tokens, sharing a system prompt."""
     system = {"role": "system", "content": "You answer briefly and precisely. " * 8}
     chats = []
     for i, topic in enumerate(TOPICS):
         history = [system]
-        for t in range(turns + i):
+        for t in range(turns + i // 2):
             history += [{"role": "user", "content": f"Tell me fact {t} about {topic}, with its history."},
                         {"role": "assistant", "content": f"Fact {t} about {topic}: " + "it has a long story. " * 6}]
         chats.append(llm.encode_chat(history + [{"role": "user", "content": f"Now sum up {topic} in a line."}]))
@@ -24,7 +25,7 @@ def _chats(llm: LLM, turns: int) -> list[list[int]]:
 
 
 def test_weights_read_as_shipped_give_the_fp32_engines_tokens_and_logits():
-    shipped, fp32 = LLM(quantized_reads=True), LLM(quantized_reads=False)
+    shipped, fp32 = (LLM(quantized_reads=q, max_num_seqs=len(TOPICS)) for q in (True, False))
     model = shipped.engine.runner.model
     assert model.paged, f"the kernels do not run: {shipped.exactness.kernels}"
     # every GEMM, the stacked ones included, reads blocks; the other engine reads fp32 panels alone
