@@ -1,4 +1,5 @@
 """`prefixcache doctor`: this CPU, what the exactness probe found, the mode chosen, and what exactness costs."""
+import os
 
 
 def run(args) -> None:
@@ -37,8 +38,6 @@ def run(args) -> None:
 def _wait() -> str:
     """How OpenMP's threads wait for work, from the settings libgomp read when torch loaded (prefixcache/__init__.py
     sets them unless they were set, or torch was imported first)."""
-    import os
-
     policy, spin = os.environ.get("OMP_WAIT_POLICY", "").upper(), os.environ.get("GOMP_SPINCOUNT")
     wait = f"spin {spin} pauses, then sleep" if spin else {"PASSIVE": "sleep at once", "ACTIVE": "spin"}.get(
         policy, "spin 300,000 pauses (libgomp's default), then sleep")
