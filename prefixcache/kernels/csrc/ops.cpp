@@ -9,6 +9,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -363,9 +364,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   check_plan(a, tokens, tables.size(0), num_items, k.size(0) / block_size);
   const int32_t* it = items.data_ptr<int32_t>();
   if (units >= 2 * at::get_num_threads()) {
-    at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    // units differ in cost (a causal chunk's later tokens read more keys): handed out one at a time, the last (the
+    // costliest of a prefill) first. Halves in order left one of two threads a quarter of a 512-token chunk's work
+    // (SmolLM2, Intel Xeon, 2 threads: keys 0-511 2.10 -> 1.63 ms a layer, 512-1023 4.70 -> 4.33 ms)
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       std::vector<float> scratch(attn_scratch(a));
-      kern.attend(a, scratch.data(), u0, u1);
+      for (int64_t i = next++; i < units; i = next++) kern.attend(a, scratch.data(), units - 1 - i, units - i);
     });
     return out;
   }
