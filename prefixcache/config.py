@@ -52,7 +52,8 @@ class Config:
     slo_ttft_ms: float | None = None  # a time-to-first-token objective: /metrics counts the requests that met and
     # missed it; with slo_schedule, a waiting request is admitted before it would miss it
     slo_tpot_ms: float | None = None  # a time-per-output-token objective (after the first, as vLLM's benchmark
-    # computes it), counted the same way; with slo_schedule, a step takes the prefill its decodes' slack allows
+    # computes it), counted the same way; with slo_schedule, a step takes the prefill its decodes' slack allows, and
+    # lasts no longer than the objective while answers decode
     slo_schedule: bool = False  # size each step against the objectives (engine/pace.py) instead of by
     # max_batch_tokens alone; off by default: better on agent-steps, no better on two other workloads (README)
     speculative: str = "off"  # draft tokens from: off | prompt (lookup in the request) | answers (the scope's

@@ -30,15 +30,16 @@ def decoding(tiny_model, slack: float = 0.05, schedule: bool = True, **objective
 
 def due_at(llm: LLM, t: float, per_row: float = 0.001) -> None:
     """The step cost set by hand (10 ms a step, `per_row` a row), and the running sequences' first tokens set so
-    that, if every step after the next took what a decode step takes, the next may end by t and each still meet a
-    TPOT of 100 ms over its answer."""
+    that, if every step after the next took what a decode step takes, the next may end by t and each still meet the
+    TPOT the schedule aims at (pace.AIM of the objective) over its answer."""
     e = llm.engine
     e.cost.coef = np.array([0.01, per_row, 0.0])
     decode = e.cost.seconds(Work(len(e.scheduler.running), 0))
     for seq in e.scheduler.running:
         assert seq.output_ids
         left = seq.params.max_tokens - len(seq.output_ids)
-        seq.first_token_time = t - 0.1 * (seq.params.max_tokens - 1) + decode * (left - 1)
+        tpot = e.scheduler.pace.tpot if e.scheduler.pace else 0.1  # unscheduled: the objective itself
+        seq.first_token_time = t - tpot * (seq.params.max_tokens - 1) + decode * (left - 1)
 
 
 def waiting(llm: LLM, i: int, n: int, arrival: float, tokens: list[int] | None = None):
@@ -56,9 +57,16 @@ def test_a_step_takes_the_prefill_that_fits_its_decodes_tpot_slack(tiny_model):
     assert big.id not in plan and big.status is Status.WAITING
 
 
+def test_no_step_outlasts_the_tpot_aimed_at_while_answers_decode(tiny_model):
+    llm = decoding(tiny_model, 10.0, slo_tpot_ms=100, slo_ttft_ms=1000)  # next tokens due in 10 s: slack for anything
+    long = waiting(llm, 10, 200, NOW)  # 200 ms of prefill, its first token not due for 900 ms
+    plan = dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))
+    assert plan[long.id] == 78  # 12 ms of decodes + 78 ms: the 90 ms aimed at (0.9 of the 100 ms objective)
+
+
 def test_a_waiting_request_goes_once_waiting_longer_would_miss_its_first_token(tiny_model):
     llm = decoding(tiny_model, 0.02, slo_tpot_ms=100, slo_ttft_ms=1000)  # 8 ms left past the decodes: no chunk
-    big = waiting(llm, 11, 60, NOW - 0.85)  # due at NOW + 0.15: a step of 12 ms, then its own of 70 ms, fit
+    big = waiting(llm, 11, 60, NOW - 0.75)  # aimed at NOW + 0.15 (0.9 of 1 s): a step of 12 ms, its own 70 ms fit
     assert big.id not in dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))
     plan = dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW + 0.07))  # now they do not
     assert plan[big.id] == 60  # though the decodes' next token is late: a first token missed is not made up
