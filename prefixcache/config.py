@@ -55,7 +55,7 @@ class Config:
     # computes it), counted the same way; with slo_schedule, a step takes the prefill its decodes' slack allows, and
     # lasts no longer than the objective while answers decode
     slo_schedule: bool = False  # size each step against the objectives (engine/pace.py) instead of by
-    # max_batch_tokens alone; off by default: better on agent-steps, no better on two other workloads (README)
+    # max_batch_tokens alone; off by default (README: ahead on three workloads since 042cb91)
     speculative: str = "off"  # draft tokens from: off | prompt (lookup in the request) | answers (the scope's
     # recent outputs) | both; every draft is verified, so greedy output is bit-identical (engine/drafter.py)
     num_speculative_tokens: int = 8  # the longest draft, up to 16; each request's shrinks with its acceptance
