@@ -78,9 +78,11 @@ class CacheMachine(RuleBasedStateMachine):
                 path[:0] = cur.tokens
                 cur = cur.parent
             live[node.scope].add(tuple(path))
-        for scope, path, _ in self.locks:  # locked blocks (and so their ancestors) survive
-            for j in range(1, len(path) // BS + 1):
-                assert path[:j * BS] in live[scope.key]
+        for scope, path, seq in self.locks:  # the blocks a running request shares with the cache (and so their
+            # ancestors) survive; one it computed again, as the cached copy had lost its local parts, is its own
+            for j, node in enumerate(seq.cache.nodes[:len(path) // BS]):
+                if node.block == seq.block_table[j]:
+                    assert path[:(j + 1) * BS] in live[scope.key]
         self.paths = live
 
     @rule(scope=st.sampled_from(SCOPES), tokens=tokens_st)
