@@ -50,12 +50,12 @@ class Config:
     # each one's decode rows alone, unless an equal part of the rows each takes longer (engine/slowdown.py); 0: off
     fairness_steps: int = 32  # a waiting request is admitted first once it has been passed over this often
     slo_ttft_ms: float | None = None  # a time-to-first-token objective: /metrics counts the requests that met and
-    # missed it; with slo_schedule, a waiting request is admitted before it would miss it
+    # missed it, and (slo_schedule) a waiting request is admitted before it would miss it
     slo_tpot_ms: float | None = None  # a time-per-output-token objective (after the first, as vLLM's benchmark
-    # computes it), counted the same way; with slo_schedule, a step takes the prefill its decodes' slack allows, and
-    # lasts no longer than the objective while answers decode
-    slo_schedule: bool = False  # size each step against the objectives (engine/pace.py) instead of by
-    # max_batch_tokens alone; off by default (README: ahead on three workloads since 042cb91)
+    # computes it), counted the same way, and (slo_schedule) a step takes the prefill its decodes' slack allows,
+    # and lasts no longer than the objective while answers decode
+    slo_schedule: bool = True  # given objectives, size each step against them (engine/pace.py); off, they are only
+    # counted and steps are sized by max_batch_tokens alone, as without objectives
     speculative: str = "off"  # draft tokens from: off | prompt (lookup in the request) | answers (the scope's
     # recent outputs) | both; every draft is verified, so greedy output is bit-identical (engine/drafter.py)
     num_speculative_tokens: int = 8  # the longest draft, up to 16; each request's shrinks with its acceptance
@@ -90,9 +90,6 @@ class Config:
         if self.tenant_slowdown and not self.tenant_slowdown >= 1:
             raise ValueError(f"tenant_slowdown={self.tenant_slowdown} (--tenant-slowdown): a factor of at least 1, "
                              "or 0 for none")
-        if self.slo_schedule and self.slo_ttft_ms is None and self.slo_tpot_ms is None:
-            raise ValueError("slo_schedule (--slo-schedule) schedules against objectives: give --slo-ttft-ms or "
-                             "--slo-tpot-ms")
         self.adapters  # a malformed lora_modules is refused here
         if (self.disk_cache or self.redis_url) and not self.enable_prefix_cache:
             raise ValueError("disk_cache and redis_url are tiers of the prefix cache: enable it")

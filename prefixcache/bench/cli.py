@@ -30,8 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--url", default=None, help="drive this running server instead of starting ours (no on/off)")
     p.add_argument("--target", action="append", default=[], metavar="NAME=URL",
                    help="compare: a target; URL `local`, `local-nocache`, `local-spec` (speculation from prompts and "
-                        "answers), `local-paced` (steps sized against the --goodput objectives) or `hf` starts that "
-                        "server here")
+                        "answers), `local-unpaced` (the --goodput objectives only counted, not scheduled by) or `hf` "
+                        "starts that server here")
     p.add_argument("--users", type=int, default=8, help="closed loop: concurrent users")
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
     p.add_argument("--seed", type=int, default=0)
@@ -119,8 +119,8 @@ def main(args) -> None:
 
 
 def slo_flags(objectives: Objectives | None) -> tuple[str, ...]:
-    """The servers started here are told the objectives they are measured against (their /metrics count them; a
-    `local-paced` target also schedules by them)."""
+    """The servers started here are told the objectives they are measured against: they schedule by them and their
+    /metrics count them (a `local-unpaced` target only counts them)."""
     given = objectives.given() if objectives else {}
     return tuple(x for name in ("ttft", "tpot") if name in given
                  for x in (f"--slo-{name}-ms", f"{given[name] * 1000:g}"))
@@ -250,7 +250,7 @@ def goodput_sweep(args, folder: str, size: Size, setup: str, config: dict, bench
     if len(args.workload) > 1:
         raise ValueError("bench goodput: give one --workload (default: shared-system-prompt)")
     name = args.workload[0] if args.workload else "shared-system-prompt"
-    targets = [tuple(t.split("=", 1)) for t in args.target] or [("ours", "local"), ("ours, paced", "local-paced")]
+    targets = [tuple(t.split("=", 1)) for t in args.target] or [("ours", "local"), ("ours, unpaced", "local-unpaced")]
     runs = [(rate, build(name, args.seed + i, size)) for i, rate in enumerate(rates)]
     sweep = sweeps.goodput_rates(runs, targets, bench)
     goal = sweeps.ATTAINMENT_GOAL

@@ -74,11 +74,11 @@ def compare(workload: Workload, targets: list[tuple[str, str]], bench: Bench) ->
 
 
 def target(name: str, url: str, bench: Bench) -> tuple[Target, LocalServer | None]:
-    """A --target: a URL of `local`, `local-nocache`, `local-spec`, `local-paced` (steps sized against the
-    objectives, --slo-schedule) or `hf` starts that server here."""
-    if url in ("local", "local-nocache", "local-spec", "local-paced", "hf"):
+    """A --target: a URL of `local`, `local-nocache`, `local-spec`, `local-unpaced` (the objectives only counted,
+    --no-slo-schedule) or `hf` starts that server here."""
+    if url in ("local", "local-nocache", "local-spec", "local-unpaced", "hf"):
         srv = local(bench, prefix_cache=url != "local-nocache", kind="hf" if url == "hf" else "prefixcache",
                     speculative="both" if url == "local-spec" else "off",
-                    extra=(*bench.server.extra, "--slo-schedule") if url == "local-paced" else bench.server.extra)
+                    extra=(*bench.server.extra, "--no-slo-schedule") if url == "local-unpaced" else bench.server.extra)
         return Target(name, srv.url, srv.keys), srv
     return Target(name, url.rstrip("/")), None

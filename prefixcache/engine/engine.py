@@ -101,7 +101,7 @@ class Engine:
             self.blocks.listen(self.events)
         self.cost = StepCost()
         pace = Pace(config.slo_ttft_ms and config.slo_ttft_ms / 1000, config.slo_tpot_ms and config.slo_tpot_ms / 1000,
-                    self.cost) if config.slo_schedule else None
+                    self.cost) if config.slo_schedule and (config.slo_ttft_ms or config.slo_tpot_ms) else None
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps,
                                    config.shared_chunk, pace, self.cost, config.tenant_slowdown or math.inf)
         ops, status = choose_ops(config, c.head_dim)
@@ -126,7 +126,8 @@ class Engine:
         self.prompt_tokens_computed = 0  # prompt tokens prefilled (a cache hit skips them, n samples share them)
         self.step_tokens = {"prefill": 0, "decode": 0}  # tokens computed in steps: of prompts, of outputs and drafts
         self.ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
-        self.lane_open = False  # a step is under way and no lane step has run inside it
+        self.lane_open = False  # a step is under way that lane steps may still run inside
+        self.laned = False  # a lane step ran inside the step under way
         del weights  # the file's tensors as read, laid out for the kernels since
         _give_back_freed_heap()
         self.grammars.info.add_done_callback(_give_back_freed_heap)
@@ -160,20 +161,19 @@ class Engine:
             self.blocks.wait_for_lookups(self.scheduler.waiting)
             wait([s.grammar for s in self.scheduler.waiting if s.grammar], 0.002, FIRST_COMPLETED)
             return failed
-        self.lane_open = True
+        self.lane_open, self.laned = True, False
         return failed + self._run(plan, between)
 
     def lane_step(self) -> list[Sequence]:
-        """Inside a step, before one of its layers: run the waiting requests that Scheduler.lane() lets through (at
-        most `shared_chunk` tokens; without it, a block's, and only of a tenant with nothing in the step) in a step
-        of their own, so they need not wait for the step under way. At most one lane step runs inside a step: a
-        stream of short requests takes at most about half of the time of the steps it interrupts (a forward's cost
-        is mostly per step, not per token, on a CPU)."""
-        plan = self.scheduler.lane(self.config.shared_chunk or self.config.block_size,
-                                   bool(self.config.shared_chunk)) if self.lane_open else []
+        """Inside a step, before one of its layers: run the waiting requests that Scheduler.lane() lets through in a
+        step of their own, so they need not wait for the step under way. Without objectives, at most one lane step
+        runs inside a step: a stream of short requests takes at most about half of the time of the steps it
+        interrupts (a forward's cost is mostly per step, not per token, on a CPU); with them, as many as the slack
+        the step leaves its decodes allows."""
+        plan = self.scheduler.lane(time.monotonic()) if self.lane_open else []
         if not plan:
             return []
-        self.lane_open = False
+        self.lane_open, self.laned = self.scheduler.pace is not None, True
         return self._run(plan, None)
 
     def _run(self, plan: list[tuple[Sequence, int]], between: Callable[[], None] | None) -> list[Sequence]:
@@ -202,7 +202,7 @@ class Engine:
                 continue
             touched += self._isolated(seq, lambda: self._postprocess(seq, n - len(draft), logits.get(seq.id), draft,
                                                                  prompt_hidden.get(seq.id)))
-        if between is None or self.lane_open:  # else a lane step ran inside it: its time is not this plan's alone
+        if between is None or not self.laned:  # else a lane step ran inside it: its time is not this plan's alone
             self.cost.record(work, time.monotonic() - started)
         return touched
 

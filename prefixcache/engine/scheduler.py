@@ -12,7 +12,8 @@ the step under way runs inside it (lane()), on the slot of a held-back sequence 
 
 Given latency objectives (a Pace), fairness still decides whose request goes next, and the objectives how much
 prefill a step takes: what fits in the slack of the sequences it decodes, plus the requests whose first token would
-be late otherwise. A request that needs only a short suffix past its cached prefix fits where a cold one would not.
+be late otherwise. A request that needs only a short suffix past its cached prefix fits where a cold one would not,
+and goes before the next chunk of a prompt under way.
 """
 import math
 import time
@@ -53,6 +54,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.last_was_lane = False  # the last step was a first-token step (see _first_token_lane)
+        self.lane_slack = 0.0  # paced: seconds the step under way leaves of its decodes' TPOT slack (inf: none decode)
 
     def add(self, seq: Sequence) -> None:
         self.blocks.prepare(seq)
@@ -71,12 +73,13 @@ class Scheduler:
         batch = Work(len(self.running), sum(len(s.tokens) for s in self.running))  # a step decoding every one
         slack = self.pace.slack(self.running, self.pace.cost.seconds(batch), now) if self.pace else math.inf
         step = Work(len([s for s in self.running if s.num_uncomputed == 1]), 0)  # the decodes' rows, then what joins
+        kept = self._kept(step, slack, now) if slack < math.inf else Work()
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             n = shares.allow(seq, min(seq.num_uncomputed, budget))
             if n > 1:
-                n = self._fit(seq.num_computed, n, step, slack)
+                n = self._fit(seq.num_computed, n, step + kept, slack)
             if n == 0:
                 continue
             while not self.blocks.grow(seq, n):
@@ -124,27 +127,41 @@ class Scheduler:
         for seq, _ in plan:
             seq.ran_at = self.steps
         self.stepping = {seq.id for seq, _ in plan}
+        self.lane_slack = slack - self.cost.seconds(step)
         return sorted(plan, key=lambda p: p[1] != 1)  # decode rows first, so they batch into one group
 
-    def lane(self, budget: int, anyone: bool) -> list[tuple[Sequence, int]]:
-        """Inside a step under way (Engine.lane_step): waiting requests that need at most `budget` tokens in all to
-        reach their next token (short prompts past their cached prefix), admitted now, with those tokens; unless
-        `anyone`, only those of tenants with no sequence in the step (the step keeps them waiting). A request whose
-        tenant holds less than its part of the slots may take the slot of a sequence the step holds back
-        (engine/slowdown.py), preempted from the tenant running furthest over its part."""
+    def lane(self, now: float) -> list[tuple[Sequence, int]]:
+        """Inside a step under way (Engine.lane_step): waiting requests that need few tokens to reach their next one
+        (short prompts past their cached prefix), admitted now, with those tokens. Without objectives: at most
+        `shared_chunk` tokens in all, of any tenant; without it, a block's worth, and only of tenants with no
+        sequence in the step (the step keeps them waiting). With objectives (a Pace): of any tenant, each one that
+        can still meet its first token's deadline and whose step fits in what the step under way leaves of its
+        decodes' TPOT slack (`lane_slack`: any step, while none decodes). A request whose tenant holds less than its
+        part of the slots may take the slot of a sequence the step holds back (engine/slowdown.py), preempted from
+        the tenant running furthest over its part."""
         plan = []
+        if self.pace:
+            budget, anyone, seconds = self.max_batch_tokens, True, self.lane_slack
+        else:
+            budget, anyone, seconds = self.shared_chunk or self.blocks.bs, bool(self.shared_chunk), math.inf
         stepping = {s.scope.tenant for s in self.running if s.id in self.stepping}
-        for seq, m, _ in self._admission_order(time.monotonic()):
+        for seq, m, _ in self._admission_order(now):
             n = len(seq.tokens) - len(m)
             if n > budget or (not anyone and seq.scope.tenant in stepping):
+                continue
+            need = self._need(seq, len(m))
+            if self.pace and (self.pace.hopeless(seq, need, now) or self.cost.seconds(need) > seconds):
                 continue
             if self._waits_for_inflight(seq, m) or not self._slot(seq) or not self.blocks.admit(seq, m):
                 continue
             self.waiting.remove(seq)
             self.adopt(seq)
-            seq.scheduled_time = seq.scheduled_time or time.monotonic()
+            seq.scheduled_time = seq.scheduled_time or now
             plan.append((seq, seq.num_uncomputed))
             budget -= seq.num_uncomputed
+            seconds -= self.cost.seconds(need)
+        if self.pace:
+            self.lane_slack = seconds
         return plan
 
     @property
@@ -325,6 +342,17 @@ class Scheduler:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self.pace.cost.seconds(step + Work.chunk(context, mid)) <= slack else (lo, mid)
         return lo
+
+    def _kept(self, step: Work, slack: float, now: float) -> Work:
+        """Paced: the part of the step's slack kept for the waiting requests that fit in it whole and can still
+        meet their first token (a short suffix past a cached prefix, mostly): a running prompt's chunk takes what
+        they leave, so a cold prompt under way does not make them wait."""
+        kept = Work()
+        for seq in self._ready():
+            need = self._need(seq, len(self.blocks.match(seq)))
+            if not self.pace.hopeless(seq, need, now) and self.cost.seconds(step + kept + need) <= slack:
+                kept += need
+        return kept
 
     def _paced(self, seq: Sequence, cached: int, step: Work, batch: Work, slack: float, due: bool, now: float,
                whole: bool) -> int:

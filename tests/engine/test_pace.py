@@ -35,8 +35,7 @@ def due_at(llm: LLM, t: float, per_row: float = 0.001) -> None:
     e = llm.engine
     e.cost.coef = np.array([0.01, per_row, 0.0])
     decode = e.cost.seconds(Work(len(e.scheduler.running), 0))
-    for seq in e.scheduler.running:
-        assert seq.output_ids
+    for seq in [s for s in e.scheduler.running if s.output_ids]:  # a prompt under way has no first token yet
         left = seq.params.max_tokens - len(seq.output_ids)
         tpot = e.scheduler.pace.tpot if e.scheduler.pace else 0.1  # unscheduled: the objective itself
         seq.first_token_time = t - tpot * (seq.params.max_tokens - 1) + decode * (left - 1)
@@ -135,3 +134,32 @@ def test_no_request_joins_while_one_more_decode_would_make_every_step_miss_tpot(
     due_at(llm, NOW + 10, per_row=0.04)  # 40 ms a row: two decodes take 90 ms, three 130; slack for anything
     small = waiting(llm, 11, 5, NOW)  # its prefill fits the 500 ms of slack: 10 ms + 7 rows
     assert small.id not in dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))
+
+
+def test_inside_a_step_a_request_runs_in_the_lane_if_its_step_fits_what_the_step_leaves_of_the_slack(tiny_model):
+    """Scheduler.lane with objectives: any tenant's request (here the decodes' own tenant), if it can still meet its
+    first token and its own step fits in the slack the step under way leaves; with nothing decoding, any step."""
+    llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)
+    s = llm.engine.scheduler
+    s.schedule(NOW)  # the two decodes: 12 ms of the 50 ms their next tokens allow
+    fits = waiting(llm, 10, 20, NOW)  # 10 ms + 20 rows: 30 ms of the 38 left
+    late = waiting(llm, 11, 5, NOW - 2.0)  # its first token was due a second ago
+    over = waiting(llm, 12, 20, NOW)  # another 30 ms would not fit the 8 ms then left
+    assert [(seq.id, n) for seq, n in s.lane(NOW)] == [(fits.id, 20)]
+    assert late.status is Status.WAITING and over.status is Status.WAITING
+    for seq in list(s.running):
+        s.finish(seq)
+    s.schedule(NOW)  # nothing decodes (the waiting requests join in this step): no TPOT slack to keep
+    long = waiting(llm, 13, 200, NOW)
+    assert [(seq.id, n) for seq, n in s.lane(NOW)] == [(long.id, 200)]
+
+
+def test_a_request_that_fits_whole_goes_before_the_next_chunk_of_a_prompt_under_way(tiny_model):
+    llm = decoding(tiny_model, slo_tpot_ms=100)
+    s = llm.engine.scheduler
+    long = waiting(llm, 11, 300, NOW)
+    s.schedule(NOW)  # a chunk of it: the slack's worth
+    due_at(llm, NOW + 0.0505)
+    short = waiting(llm, 12, 15, NOW)
+    plan = dict((seq.id, n) for seq, n in s.schedule(NOW))
+    assert plan[short.id] == 15 and plan[long.id] == 23  # 10 ms + 2 decode rows + 15 + 23 rows: 50 of 50.5 ms
