@@ -168,8 +168,8 @@ class Engine:
         """Inside a step, before one of its layers: run the waiting requests that Scheduler.lane() lets through in a
         step of their own, so they need not wait for the step under way. Without objectives, at most one lane step
         runs inside a step: a stream of short requests takes at most about half of the time of the steps it
-        interrupts (a forward's cost is mostly per step, not per token, on a CPU); with them, as many as the slack
-        the step leaves its decodes allows."""
+        interrupts (a forward's cost is mostly per step, not per token, on a CPU); with them, as many as
+        Scheduler.lane lets through (within the slack the step leaves its decodes, or the step's own length)."""
         plan = self.scheduler.lane(time.monotonic()) if self.lane_open else []
         if not plan:
             return []

@@ -54,7 +54,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.last_was_lane = False  # the last step was a first-token step (see _first_token_lane)
-        self.lane_slack = 0.0  # paced: seconds the step under way leaves of its decodes' TPOT slack (inf: none decode)
+        self.lane_slack = 0.0  # paced: seconds lane steps may take inside the step under way (Scheduler.lane)
 
     def add(self, seq: Sequence) -> None:
         self.blocks.prepare(seq)
@@ -73,7 +73,9 @@ class Scheduler:
         batch = Work(len(self.running), sum(len(s.tokens) for s in self.running))  # a step decoding every one
         slack = self.pace.slack(self.running, self.pace.cost.seconds(batch), now) if self.pace else math.inf
         step = Work(len([s for s in self.running if s.num_uncomputed == 1]), 0)  # the decodes' rows, then what joins
-        kept = self._kept(step, slack, now) if slack < math.inf else Work()
+        preempted = self.num_preemptions
+        order = self._admission_order(now) if slack < math.inf else None  # made again below if the running preempt
+        kept = self._kept(order, step, slack, now) if order is not None else Work()
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
@@ -94,7 +96,9 @@ class Scheduler:
                 step += Work.chunk(seq.num_computed, n) if n > 1 else Work(0, seq.num_computed + 1)
         plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
         batch = Work(len(self.running), sum(len(s.tokens) for s in self.running))  # as the running ones are now
-        order, blocked = self._admission_order(now), False
+        if order is None or self.num_preemptions != preempted:
+            order = self._admission_order(now)
+        blocked = False
         for whole in (True, False) if self.pace else (True,):  # paced: requests that fit whole first, then chunks
             for seq, m, due in order:
                 if budget == 0 or blocked:
@@ -127,7 +131,7 @@ class Scheduler:
         for seq, _ in plan:
             seq.ran_at = self.steps
         self.stepping = {seq.id for seq, _ in plan}
-        self.lane_slack = slack - self.cost.seconds(step)
+        self.lane_slack = slack - self.cost.seconds(step) if slack < math.inf else self.cost.seconds(step)
         return sorted(plan, key=lambda p: p[1] != 1)  # decode rows first, so they batch into one group
 
     def lane(self, now: float) -> list[tuple[Sequence, int]]:
@@ -136,9 +140,10 @@ class Scheduler:
         `shared_chunk` tokens in all, of any tenant; without it, a block's worth, and only of tenants with no
         sequence in the step (the step keeps them waiting). With objectives (a Pace): of any tenant, each one that
         can still meet its first token's deadline and whose step fits in what the step under way leaves of its
-        decodes' TPOT slack (`lane_slack`: any step, while none decodes). A request whose tenant holds less than its
-        part of the slots may take the slot of a sequence the step holds back (engine/slowdown.py), preempted from
-        the tenant running furthest over its part."""
+        decodes' TPOT slack (`lane_slack`; while none decodes, the lane steps in all take no longer than the step
+        itself, so a stream of short requests takes at most about half of a prefill step's time). A request whose
+        tenant holds less than its part of the slots may take the slot of a sequence the step holds back
+        (engine/slowdown.py), preempted from the tenant running furthest over its part."""
         plan = []
         if self.pace:
             budget, anyone, seconds = self.max_batch_tokens, True, self.lane_slack
@@ -146,10 +151,9 @@ class Scheduler:
             budget, anyone, seconds = self.shared_chunk or self.blocks.bs, bool(self.shared_chunk), math.inf
         stepping = {s.scope.tenant for s in self.running if s.id in self.stepping}
         for seq, m, _ in self._admission_order(now):
-            n = len(seq.tokens) - len(m)
-            if n > budget or (not anyone and seq.scope.tenant in stepping):
-                continue
             need = self._need(seq, len(m))
+            if need.rows > budget or (not anyone and seq.scope.tenant in stepping):
+                continue
             if self.pace and (self.pace.hopeless(seq, need, now) or self.cost.seconds(need) > seconds):
                 continue
             if self._waits_for_inflight(seq, m) or not self._slot(seq) or not self.blocks.admit(seq, m):
@@ -343,13 +347,13 @@ class Scheduler:
             lo, hi = (mid, hi) if self.pace.cost.seconds(step + Work.chunk(context, mid)) <= slack else (lo, mid)
         return lo
 
-    def _kept(self, step: Work, slack: float, now: float) -> Work:
+    def _kept(self, order: list[tuple[Sequence, object, bool]], step: Work, slack: float, now: float) -> Work:
         """Paced: the part of the step's slack kept for the waiting requests that fit in it whole and can still
         meet their first token (a short suffix past a cached prefix, mostly): a running prompt's chunk takes what
         they leave, so a cold prompt under way does not make them wait."""
         kept = Work()
-        for seq in self._ready():
-            need = self._need(seq, len(self.blocks.match(seq)))
+        for seq, m, _ in order:
+            need = self._need(seq, len(m))
             if not self.pace.hopeless(seq, need, now) and self.cost.seconds(step + kept + need) <= slack:
                 kept += need
         return kept

@@ -138,7 +138,8 @@ def test_no_request_joins_while_one_more_decode_would_make_every_step_miss_tpot(
 
 def test_inside_a_step_a_request_runs_in_the_lane_if_its_step_fits_what_the_step_leaves_of_the_slack(tiny_model):
     """Scheduler.lane with objectives: any tenant's request (here the decodes' own tenant), if it can still meet its
-    first token and its own step fits in the slack the step under way leaves; with nothing decoding, any step."""
+    first token and its own step fits in the slack the step under way leaves; with nothing decoding, lane steps that
+    take in all no longer than the step under way."""
     llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)
     s = llm.engine.scheduler
     s.schedule(NOW)  # the two decodes: 12 ms of the 50 ms their next tokens allow
@@ -149,9 +150,10 @@ def test_inside_a_step_a_request_runs_in_the_lane_if_its_step_fits_what_the_step
     assert late.status is Status.WAITING and over.status is Status.WAITING
     for seq in list(s.running):
         s.finish(seq)
-    s.schedule(NOW)  # nothing decodes (the waiting requests join in this step): no TPOT slack to keep
-    long = waiting(llm, 13, 200, NOW)
-    assert [(seq.id, n) for seq, n in s.lane(NOW)] == [(long.id, 200)]
+    s.schedule(NOW)  # nothing decodes; the waiting two join in this step of 35 ms (10 ms + 25 rows)
+    short = waiting(llm, 13, 20, NOW)  # 30 ms: no TPOT slack to keep, but lane steps take no longer than the step
+    more = waiting(llm, 14, 20, NOW)  # another 30 ms would
+    assert [(seq.id, n) for seq, n in s.lane(NOW)] == [(short.id, 20)] and more.status is Status.WAITING
 
 
 def test_a_request_that_fits_whole_goes_before_the_next_chunk_of_a_prompt_under_way(tiny_model):
