@@ -8,8 +8,10 @@ A request joins the running ones only while a step decoding them all stays withi
 
 A waiting request meets its TTFT objective if its prompt's uncached part is computed by arrival + ttft: it is
 *hopeless* once even a step of its own now would end after that, and *urgent* once waiting one more step would. An
-urgent request is admitted though its prefill overruns the step's slack (a longer step now can be made up by the
-decodes' later steps; a missed first token cannot); a hopeless one goes behind the others of its tenant.
+urgent request is admitted though its prefill overruns the step's slack if the answers decoding are far enough ahead
+of their objective to absorb it (Pace.spares: a missed first token cannot be made up, but past the engine's capacity
+admitting every urgent one past the slack made every answer under way late); a hopeless one goes behind the others of
+its tenant.
 """
 import math
 
@@ -27,18 +29,36 @@ class Pace:
         self.tpot = tpot and tpot * AIM
         self.cost = cost
 
-    def slack(self, running: list[Sequence], decode: float, now: float) -> float:
-        """Seconds the next step may take so that every sequence it decodes can still meet its TPOT objective over its
-        whole answer, if each step after it takes `decode` seconds (inf: no objective, or none decoding)."""
+    def limits(self, running: list[Sequence], decode: float, now: float) -> list[float]:
+        """For each sequence the next step decodes, the seconds that step may take so that it can still meet its TPOT
+        objective over its whole answer, if each step after it takes `decode` seconds (none: no objective)."""
         if self.tpot is None:
-            return math.inf
+            return []
         # an answer's last token, at most max_tokens in, is due at first + tpot * (max_tokens - 1), and the steps
         # after this one write its tokens between this one's and the last
-        due = [s.first_token_time + self.tpot * (s.params.max_tokens - 1)
-               - decode * (s.params.max_tokens - len(s.output_ids) - 1)
-               for s in running if s.first_token_time is not None]
-        # and no step longer than the objective: slack spent early is not there when the next cold prompt comes
-        return min(min(due, default=math.inf) - now, self.tpot if due else math.inf)
+        return [s.first_token_time + self.tpot * (s.params.max_tokens - 1)
+                - decode * (s.params.max_tokens - len(s.output_ids) - 1) - now
+                for s in running if s.first_token_time is not None]
+
+    def slack(self, limits: list[float]) -> float:
+        """Seconds the next step may take: within every decoding sequence's limit (inf: none decoding), and never
+        longer than the objective, since slack spent early is not there when the next cold prompt comes."""
+        return min(min(limits), self.tpot) if limits else math.inf
+
+    def spares(self, limits: list[float], strict: list[float], step: Work, longer: Work) -> bool:
+        """A step of `longer` rather than `step` costs no decoding sequence its objective: none that can still meet
+        it (`limits`, as `limits` gives them with the steps after this one decoding only) is then behind an answer
+        whose every step takes the objective (`strict`: `limits` with steps of the objective after this one), so no
+        later step must be shorter than the objective to make up for it."""
+        before, after = self.cost.seconds(step), self.cost.seconds(longer)
+        return not any(limit >= before and ahead < after for limit, ahead in zip(limits, strict))
+
+    def allowance(self, seq: Sequence, decode: float) -> float:
+        """The longest wait from its first token to its second with which its answer can still meet the TPOT
+        objective, if each token after that takes a step of `decode` seconds (a request admitted in a lane step
+        inside a long step gets its second token only when that step ends)."""
+        m = seq.params.max_tokens
+        return math.inf if self.tpot is None or m <= 1 else self.tpot * (m - 1) - decode * (m - 2)
 
     def room(self, batch: Work, tokens: int) -> bool:
         """A sequence of this many tokens may join `batch` (the running ones, decoding): the step decoding them all

@@ -55,6 +55,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.last_was_lane = False  # the last step was a first-token step (see _first_token_lane)
         self.lane_slack = 0.0  # paced: seconds lane steps may take inside the step under way (Scheduler.lane)
+        self.step_end = 0.0  # paced: when the step under way ends, as predicted, its lane steps included
 
     def add(self, seq: Sequence) -> None:
         self.blocks.prepare(seq)
@@ -71,7 +72,9 @@ class Scheduler:
         self._rebalance()
         shares = self._prefill_shares()
         batch = Work(len(self.running), sum(len(s.tokens) for s in self.running))  # a step decoding every one
-        slack = self.pace.slack(self.running, self.pace.cost.seconds(batch), now) if self.pace else math.inf
+        limits = self.pace.limits(self.running, self.pace.cost.seconds(batch), now) if self.pace else []
+        slack = self.pace.slack(limits) if self.pace else math.inf
+        strict = self.pace.limits(self.running, self.pace.tpot, now) if limits else []  # for Pace.spares
         step = Work(len([s for s in self.running if s.num_uncomputed == 1]), 0)  # the decodes' rows, then what joins
         preempted = self.num_preemptions
         order = self._admission_order(now) if slack < math.inf else None  # made again below if the running preempt
@@ -106,7 +109,7 @@ class Scheduler:
                 if seq.status is not Status.WAITING or self._waits_for_inflight(seq, m) or \
                         not shares.allow(seq, budget):
                     continue
-                need = self._paced(seq, len(m), step, batch, slack, due, now, whole)
+                need = self._paced(seq, len(m), step, batch, (limits, strict), slack, due, now, whole)
                 if need == 0:
                     continue
                 if self.num_slots + 1 + len(seq.forks) > self.max_num_seqs or \
@@ -132,6 +135,7 @@ class Scheduler:
             seq.ran_at = self.steps
         self.stepping = {seq.id for seq, _ in plan}
         self.lane_slack = slack - self.cost.seconds(step) if slack < math.inf else self.cost.seconds(step)
+        self.step_end = now + self.cost.seconds(step)
         return sorted(plan, key=lambda p: p[1] != 1)  # decode rows first, so they batch into one group
 
     def lane(self, now: float) -> list[tuple[Sequence, int]]:
@@ -141,20 +145,25 @@ class Scheduler:
         sequence in the step (the step keeps them waiting). With objectives (a Pace): of any tenant, each one that
         can still meet its first token's deadline and whose step fits in what the step under way leaves of its
         decodes' TPOT slack (`lane_slack`; while none decodes, the lane steps in all take no longer than the step
-        itself, so a stream of short requests takes at most about half of a prefill step's time). A request whose
-        tenant holds less than its part of the slots may take the slot of a sequence the step holds back
-        (engine/slowdown.py), preempted from the tenant running furthest over its part."""
+        itself, so a stream of short requests takes at most about half of a prefill step's time), and only while its
+        answer can absorb the wait for its second token, which comes after the step under way ends (Pace.allowance;
+        the lane steps admitted after it delay it too). A request whose tenant holds less than its part of the slots
+        may take the slot of a sequence the step holds back (engine/slowdown.py), preempted from the tenant running
+        furthest over its part."""
         plan = []
         if self.pace:
             budget, anyone, seconds = self.max_batch_tokens, True, self.lane_slack
+            decode = self.cost.seconds(Work(len(self.running) + 1, sum(len(s.tokens) for s in self.running)))
         else:
             budget, anyone, seconds = self.shared_chunk or self.blocks.bs, bool(self.shared_chunk), math.inf
         stepping = {s.scope.tenant for s in self.running if s.id in self.stepping}
         for seq, m, _ in self._admission_order(now):
             need = self._need(seq, len(m))
+            cost = self.cost.seconds(need)
             if need.rows > budget or (not anyone and seq.scope.tenant in stepping):
                 continue
-            if self.pace and (self.pace.hopeless(seq, need, now) or self.cost.seconds(need) > seconds):
+            if self.pace and (self.pace.hopeless(seq, need, now) or cost > seconds or
+                              self.pace.allowance(seq, decode) < self.step_end - now):
                 continue
             if self._waits_for_inflight(seq, m) or not self._slot(seq) or not self.blocks.admit(seq, m):
                 continue
@@ -163,7 +172,10 @@ class Scheduler:
             seq.scheduled_time = seq.scheduled_time or now
             plan.append((seq, seq.num_uncomputed))
             budget -= seq.num_uncomputed
-            seconds -= self.cost.seconds(need)
+            seconds -= cost
+            if self.pace:  # the lane steps after this one delay its second token too
+                seconds = min(seconds, self.pace.allowance(seq, decode) - (self.step_end - now))
+                self.step_end += cost
         if self.pace:
             self.lane_slack = seconds
         return plan
@@ -358,18 +370,20 @@ class Scheduler:
                 kept += need
         return kept
 
-    def _paced(self, seq: Sequence, cached: int, step: Work, batch: Work, slack: float, due: bool, now: float,
-               whole: bool) -> int:
+    def _paced(self, seq: Sequence, cached: int, step: Work, batch: Work, limits: tuple[list[float], list[float]],
+               slack: float, due: bool, now: float, whole: bool) -> int:
         """How many of a waiting request's prompt tokens this step may compute (0: it waits), by the objectives. None
         while one more sequence decoding would make every step longer than the TPOT objective. First (`whole`): all
         of them, if they fit the step's slack, or it is due, or waiting longer would make it miss its first token's
-        deadline. Then, from what slack is left: a chunk, if a block's worth fits."""
+        deadline and the longer step costs no answer under way its objective (`limits`: Pace.spares' two). Then, from
+        what slack is left: a chunk, if a block's worth fits."""
         need = self._need(seq, cached)
         if not self.pace:
             return need.rows if whole else 0
         if not self.pace.room(batch, len(seq.tokens)):
             return 0
-        if due or self.pace.cost.seconds(step + need) <= slack or self.pace.urgent(seq, need, step, now):
+        if due or self.pace.cost.seconds(step + need) <= slack or \
+                (self.pace.urgent(seq, need, step, now) and self.pace.spares(*limits, step, step + need)):
             return need.rows if whole else 0
         if whole:
             return 0

@@ -41,8 +41,9 @@ def due_at(llm: LLM, t: float, per_row: float = 0.001) -> None:
         seq.first_token_time = t - tpot * (seq.params.max_tokens - 1) + decode * (left - 1)
 
 
-def waiting(llm: LLM, i: int, n: int, arrival: float, tokens: list[int] | None = None):
-    seq = llm.engine.add_request(tokens or prompt(i, n), LONG)
+def waiting(llm: LLM, i: int, n: int, arrival: float, tokens: list[int] | None = None,
+            params: SamplingParams = LONG):
+    seq = llm.engine.add_request(tokens or prompt(i, n), params)
     seq.arrival = arrival
     return seq
 
@@ -69,6 +70,33 @@ def test_a_waiting_request_goes_once_waiting_longer_would_miss_its_first_token(t
     assert big.id not in dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))
     plan = dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW + 0.07))  # now they do not
     assert plan[big.id] == 60  # though the decodes' next token is late: a first token missed is not made up
+
+
+def test_an_urgent_request_goes_past_the_slack_only_as_far_as_the_answers_decoding_are_ahead_of_the_objective(
+        tiny_model):
+    # the decodes' next token against one every 90 ms (0.9 of the objective) from their first: ahead by less than
+    # the urgent request's step would take (142 ms), behind (though decode steps of 12 ms could catch up), ahead by more
+    for ahead, whole in ((0.08, False), (-0.05, False), (0.2, True)):
+        llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)  # decodes 12 ms; any step may take 90
+        s = llm.engine.scheduler
+        for seq in s.running:
+            seq.first_token_time = NOW + ahead - s.pace.tpot * len(seq.output_ids)
+        urgent = waiting(llm, 11, 130, NOW - 0.75)  # due by NOW + 0.15: its own step of 140 ms fits, not after another
+        n = dict((q.id, n) for q, n in s.schedule(NOW)).get(urgent.id, 0)
+        assert (n == 130) == whole, (ahead, n)  # else at most a chunk within the slack
+
+
+def test_a_request_runs_in_the_lane_only_if_its_answer_can_absorb_the_rest_of_the_step_under_way(tiny_model):
+    llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)
+    s = llm.engine.scheduler
+    for seq in list(s.running):
+        s.finish(seq)
+    waiting(llm, 10, 300, NOW)
+    s.schedule(NOW)  # nothing decodes: a step of 310 ms computes the 300-token prompt
+    short = waiting(llm, 11, 20, NOW - 0.01, params=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    long = waiting(llm, 12, 20, NOW)  # 200 tokens: a second token 310 ms late is made up over the answer
+    assert [(seq.id, n) for seq, n in s.lane(NOW)] == [(long.id, 20)]  # 3 gaps of 90 ms cannot absorb 310 ms
+    assert short.status is Status.WAITING
 
 
 def test_objectives_not_scheduled_by_only_count_every_waiting_request_goes_as_before(tiny_model):
