@@ -13,7 +13,9 @@ the step under way runs inside it (lane()), on the slot of a held-back sequence 
 Given latency objectives (a Pace), fairness still decides whose request goes next, and the objectives how much
 prefill a step takes: what fits in the slack of the sequences it decodes, plus the requests whose first token would
 be late otherwise. A request that needs only a short suffix past its cached prefix fits where a cold one would not,
-and goes before the next chunk of a prompt under way.
+and goes before the next chunk of a prompt under way. A step grows by no request (but one that is due) past the
+deadline of a first token it gives: with nothing decoding the slack is unbounded, and the requests that waited for a
+cold shared prefix, admitted all in one step, all missed their first tokens; in turn, each in time for its own.
 """
 import math
 import time
@@ -101,7 +103,7 @@ class Scheduler:
         batch = Work(len(self.running), sum(len(s.tokens) for s in self.running))  # as the running ones are now
         if order is None or self.num_preemptions != preempted:
             order = self._admission_order(now)
-        blocked = False
+        blocked, first = False, math.inf  # paced: seconds to the first-token deadline of one admitted that meets it
         for whole in (True, False) if self.pace else (True,):  # paced: requests that fit whole first, then chunks
             for seq, m, due in order:
                 if budget == 0 or blocked:
@@ -109,8 +111,9 @@ class Scheduler:
                 if seq.status is not Status.WAITING or self._waits_for_inflight(seq, m) or \
                         not shares.allow(seq, budget):
                     continue
-                need = self._paced(seq, len(m), step, batch, (limits, strict), slack, due, now, whole)
-                if need == 0:
+                need = self._paced(seq, len(m), step, batch, (limits, strict), min(slack, first), due, now, whole)
+                # nor would a longer step make a first token it gives late (a due request goes all the same)
+                if need == 0 or (not due and self.cost.seconds(step + Work.chunk(len(m), need)) > first):
                     continue
                 if self.num_slots + 1 + len(seq.forks) > self.max_num_seqs or \
                         not self.blocks.admit(seq, m, min(budget, need)):
@@ -125,6 +128,8 @@ class Scheduler:
                 shares.take(seq, n)
                 step += Work.chunk(seq.num_computed, n)
                 batch += Work(1, len(seq.tokens))
+                if self.pace and n == seq.num_uncomputed and self.pace.deadline(seq) - now >= self.cost.seconds(step):
+                    first = min(first, self.pace.deadline(seq) - now)
         for seq in self.waiting:
             seq.skipped += 1
         if shares.cap is not None:
@@ -134,8 +139,9 @@ class Scheduler:
         for seq, _ in plan:
             seq.ran_at = self.steps
         self.stepping = {seq.id for seq, _ in plan}
-        self.lane_slack = slack - self.cost.seconds(step) if slack < math.inf else self.cost.seconds(step)
-        self.step_end = now + self.cost.seconds(step)
+        cost = self.cost.seconds(step)  # lane steps delay the step's first tokens too
+        self.lane_slack = min(slack - cost if slack < math.inf else cost, first - cost)
+        self.step_end = now + cost
         return sorted(plan, key=lambda p: p[1] != 1)  # decode rows first, so they batch into one group
 
     def lane(self, now: float) -> list[tuple[Sequence, int]]:

@@ -86,6 +86,17 @@ def test_an_urgent_request_goes_past_the_slack_only_as_far_as_the_answers_decodi
         assert (n == 130) == whole, (ahead, n)  # else at most a chunk within the slack
 
 
+def test_a_step_does_not_grow_past_the_deadline_of_a_first_token_it_gives(tiny_model):
+    llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)
+    s = llm.engine.scheduler
+    for seq in list(s.running):
+        s.finish(seq)
+    soon = waiting(llm, 10, 20, NOW - 0.85)  # due by NOW + 0.05: a step of its own takes 30 ms
+    later = waiting(llm, 11, 100, NOW)  # due by NOW + 0.9; nothing decodes, so no TPOT slack bounds the step
+    plan = dict((q.id, n) for q, n in s.schedule(NOW))
+    assert plan[soon.id] == 20 and plan.get(later.id, 0) <= 20  # at most the chunk that still ends by NOW + 0.05
+
+
 def test_a_request_runs_in_the_lane_only_if_its_answer_can_absorb_the_rest_of_the_step_under_way(tiny_model):
     llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)
     s = llm.engine.scheduler
