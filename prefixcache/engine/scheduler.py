@@ -128,8 +128,9 @@ class Scheduler:
                 shares.take(seq, n)
                 step += Work.chunk(seq.num_computed, n)
                 batch += Work(1, len(seq.tokens))
-                if self.pace and n == seq.num_uncomputed and self.pace.deadline(seq) - now >= self.cost.seconds(step):
-                    first = min(first, self.pace.deadline(seq) - now)
+                due_in = self.pace.deadline(seq) - now if self.pace and n == seq.num_uncomputed else math.inf
+                if due_in >= self.cost.seconds(step):  # its first token comes with this step, in time
+                    first = min(first, due_in)
         for seq in self.waiting:
             seq.skipped += 1
         if shares.cap is not None:
@@ -157,6 +158,8 @@ class Scheduler:
         may take the slot of a sequence the step holds back (engine/slowdown.py), preempted from the tenant running
         furthest over its part."""
         plan = []
+        if not self.waiting:  # called before every layer of a step: most often, nothing to admit
+            return plan
         if self.pace:
             budget, anyone, seconds = self.max_batch_tokens, True, self.lane_slack
             decode = self.cost.seconds(Work(len(self.running) + 1, sum(len(s.tokens) for s in self.running)))
@@ -168,8 +171,9 @@ class Scheduler:
             cost = self.cost.seconds(need)
             if need.rows > budget or (not anyone and seq.scope.tenant in stepping):
                 continue
-            if self.pace and (self.pace.hopeless(seq, need, now) or cost > seconds or
-                              self.pace.allowance(seq, decode) < self.step_end - now):
+            # what its answer can absorb past the wait for its second token, at the step's end (Pace.allowance)
+            spare = self.pace.allowance(seq, decode) - (self.step_end - now) if self.pace else math.inf
+            if self.pace and (self.pace.hopeless(seq, need, now) or cost > seconds or spare < 0):
                 continue
             if self._waits_for_inflight(seq, m) or not self._slot(seq) or not self.blocks.admit(seq, m):
                 continue
@@ -178,10 +182,8 @@ class Scheduler:
             seq.scheduled_time = seq.scheduled_time or now
             plan.append((seq, seq.num_uncomputed))
             budget -= seq.num_uncomputed
-            seconds -= cost
-            if self.pace:  # the lane steps after this one delay its second token too
-                seconds = min(seconds, self.pace.allowance(seq, decode) - (self.step_end - now))
-                self.step_end += cost
+            seconds = min(seconds - cost, spare)  # the lane steps after this one delay its second token too
+            self.step_end += cost
         if self.pace:
             self.lane_slack = seconds
         return plan
