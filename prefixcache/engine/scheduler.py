@@ -13,9 +13,11 @@ the step under way runs inside it (lane()), on the slot of a held-back sequence 
 Given latency objectives (a Pace), fairness still decides whose request goes next, and the objectives how much
 prefill a step takes: what fits in the slack of the sequences it decodes, plus the requests whose first token would
 be late otherwise. A request that needs only a short suffix past its cached prefix fits where a cold one would not,
-and goes before the next chunk of a prompt under way. A step grows by no request (but one that is due) past the
-deadline of a first token it gives: with nothing decoding the slack is unbounded, and the requests that waited for a
-cold shared prefix, admitted all in one step, all missed their first tokens; in turn, each in time for its own.
+and goes before the next chunk of a prompt under way. A step grows by no request past the deadline of a first token
+it gives: with nothing decoding the slack is unbounded, and the requests that waited for a cold shared prefix,
+admitted all in one step, all missed their first tokens; in turn, each in time for its own. A due request goes first
+but within the objectives, as a chunk if it does not fit whole: past capacity the backlog becomes due, and each due
+request that went past the slack made the answers under way miss their TPOT.
 """
 import math
 import time
@@ -111,9 +113,11 @@ class Scheduler:
                 if seq.status is not Status.WAITING or self._waits_for_inflight(seq, m) or \
                         not shares.allow(seq, budget):
                     continue
-                need = self._paced(seq, len(m), step, batch, (limits, strict), min(slack, first), due, now, whole)
-                # nor would a longer step make a first token it gives late (a due request goes all the same)
-                if need == 0 or (not due and self.cost.seconds(step + Work.chunk(len(m), need)) > first):
+                need = self._paced(seq, len(m), step, batch, (limits, strict), min(slack, first), now, whole)
+                if need == 0 and due and whole:
+                    break  # it goes first: its chunk, if one fits, before any other request whole
+                # nor would a longer step make a first token it gives late
+                if need == 0 or self.cost.seconds(step + Work.chunk(len(m), need)) > first:
                     continue
                 if self.num_slots + 1 + len(seq.forks) > self.max_num_seqs or \
                         not self.blocks.admit(seq, m, min(budget, need)):
@@ -379,10 +383,10 @@ class Scheduler:
         return kept
 
     def _paced(self, seq: Sequence, cached: int, step: Work, batch: Work, limits: tuple[list[float], list[float]],
-               slack: float, due: bool, now: float, whole: bool) -> int:
+               slack: float, now: float, whole: bool) -> int:
         """How many of a waiting request's prompt tokens this step may compute (0: it waits), by the objectives. None
         while one more sequence decoding would make every step longer than the TPOT objective. First (`whole`): all
-        of them, if they fit the step's slack, or it is due, or waiting longer would make it miss its first token's
+        of them, if they fit the step's slack, or waiting longer would make it miss its first token's
         deadline and the longer step costs no answer under way its objective (`limits`: Pace.spares' two). Then, from
         what slack is left: a chunk, if a block's worth fits."""
         need = self._need(seq, cached)
@@ -390,7 +394,7 @@ class Scheduler:
             return need.rows if whole else 0
         if not self.pace.room(batch, len(seq.tokens)):
             return 0
-        if due or self.pace.cost.seconds(step + need) <= slack or \
+        if self.pace.cost.seconds(step + need) <= slack or \
                 (self.pace.urgent(seq, need, step, now) and self.pace.spares(*limits, step, step + need)):
             return need.rows if whole else 0
         if whole:

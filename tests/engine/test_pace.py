@@ -1,6 +1,8 @@
 """The scheduler against latency objectives (engine/pace.py): its decisions on a clock passed in and a step cost set
 by hand (10 ms a step, 1 ms a row, nothing per key), so no test depends on the machine's speed. Sequences are real,
 on the tiny model; the decodes get their first token from real steps, then their times are set."""
+import time
+
 import numpy as np
 import pytest
 
@@ -119,6 +121,7 @@ def test_objectives_not_scheduled_by_only_count_every_waiting_request_goes_as_be
 def test_a_request_with_its_prefix_cached_goes_ahead_of_a_cold_one_when_only_it_fits(tiny_model):
     llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)
     shared = list(range(3000, 3064))
+    due_at(llm, time.monotonic() + 10)  # the decodes leave this request room on the engine's own clock
     llm.generate([shared + [7]], SamplingParams(temperature=0.0, max_tokens=1))  # 64 tokens cached
     due_at(llm, NOW + 0.05)
     cold = waiting(llm, 12, 74, NOW - 0.1, tokens=[5] + shared[:73])  # first: 74 tokens to compute
@@ -146,6 +149,17 @@ def test_a_request_that_can_no_longer_meet_its_first_token_queues_behind_its_ten
     assert plan[fresh.id] == 30 and late.id not in plan  # the slack held one of them
 
 
+def test_a_due_request_goes_first_but_within_the_slack(tiny_model):
+    """Past capacity the backlog becomes due: a due request that went past the slack made every answer under way
+    late. It takes the chunk that fits, before any other request."""
+    llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)  # 50 ms left: 10 ms, 2 decode rows, 37 more
+    late = waiting(llm, 11, 100, NOW - 2.0)
+    late.skipped = llm.engine.scheduler.fairness_steps  # passed over long enough
+    fresh = waiting(llm, 12, 20, NOW)  # it would fit whole
+    plan = dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))
+    assert plan[late.id] == 37 and fresh.id not in plan
+
+
 def test_objectives_are_the_tenants_fair_turns_too(tiny_model):
     """Fairness decides whose request goes next; the objectives only how much a step takes."""
     llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)
@@ -166,6 +180,14 @@ def test_the_step_cost_is_learned_from_the_steps_seen():
         cost.record(work, 0.004 + 0.002 * work.rows + 3e-8 * work.keys)
     assert cost.coef == pytest.approx([0.004, 0.002, 3e-8], rel=0.05)
     assert cost.seconds(Work(10, 1000)) == pytest.approx(0.004 + 0.02 + 3e-5, rel=0.05)
+
+
+def test_a_new_servers_first_step_corrects_the_prior():
+    cost = StepCost()  # its prior: 3 ms a row, three times SmolLM2's 1 ms on a 2-core Xeon
+    first = Work.chunk(0, 512)
+    cost.record(first, 0.55)  # one step of a cold prompt's first 512 tokens
+    assert cost.seconds(first) == pytest.approx(0.55, rel=0.05)
+    assert cost.seconds(Work.chunk(512, 64)) < 0.1  # the next chunk is sized by it, not by the prior
 
 
 def test_no_request_joins_while_one_more_decode_would_make_every_step_miss_tpot(tiny_model):
