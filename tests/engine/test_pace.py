@@ -155,9 +155,23 @@ def test_a_due_request_goes_first_but_within_the_slack(tiny_model):
     llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)  # 50 ms left: 10 ms, 2 decode rows, 37 more
     late = waiting(llm, 11, 100, NOW - 2.0)
     late.skipped = llm.engine.scheduler.fairness_steps  # passed over long enough
-    fresh = waiting(llm, 12, 20, NOW)  # it would fit whole
+    fresh = llm.engine.add_request(prompt(12, 20), LONG, CacheScope("b"))  # another tenant's; it would fit whole
+    fresh.arrival = NOW
     plan = dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))
     assert plan[late.id] == 37 and fresh.id not in plan
+
+
+def test_a_late_request_is_not_due_while_one_of_its_tenant_can_still_meet_its_first_token(tiny_model):
+    """Past capacity the late requests, due in turn, went first and made every request after them late too."""
+    llm = decoding(tiny_model, slo_tpot_ms=100, slo_ttft_ms=1000)  # the slack holds one of the two
+    late = waiting(llm, 11, 30, NOW - 2.0)
+    late.skipped = llm.engine.scheduler.fairness_steps
+    fresh = waiting(llm, 12, 30, NOW)
+    plan = dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))
+    assert plan[fresh.id] == 30 and late.id not in plan
+    llm.engine.scheduler.abort(fresh)
+    plan = dict((s.id, n) for s, n in llm.engine.scheduler.schedule(NOW))  # none of its tenant can now: it goes
+    assert plan[late.id] == 30
 
 
 def test_objectives_are_the_tenants_fair_turns_too(tiny_model):
