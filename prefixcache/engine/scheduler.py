@@ -335,8 +335,8 @@ class Scheduler:
         over the tenant's part of the slots), so one tenant's flood of requests cannot starve another's; then the
         longest cached prefix, then arrival. With a TTFT objective, a tenant's requests that can no longer meet it
         queue behind its others, and are not due while one of its others can still meet it: past capacity the late
-        ones, due in turn, went first, and made every request after them late too (multi-tenant at 1.8x the rate at
-        which 90% meet both objectives: 0.21-0.24 met them, and 0.66 with this). A request whose lookup in the KV
+        ones, due in turn, went first, and made every request after them late too (multi-tenant at 6.5 req/s, past
+        capacity: 0.16-0.24 met both objectives, 0.54-0.66 with this). A request whose lookup in the KV
         tiers below memory, or whose grammar, is not ready waits for it, without taking a turn."""
         ready = [(seq, self.blocks.match(seq)) for seq in self._ready()]
         late = {seq.id for seq, m in ready if self.pace and self.pace.hopeless(seq, self._need(seq, len(m)), now)}
