@@ -1,15 +1,17 @@
 """What the startup probe (models/probe.py) checks of our kernels beside the row-wise ops' row counts (mode
-"kernel"): RoPE with the KV store, and paged attention with each window the model uses, at every row count; paged
-attention rows equal whatever their batch, items and block placement; every op agrees with float64 (the sampler's
-logit_stats too, on the model's vocabulary); and, for every file and library, that each weight read as shipped
-(models/quant.py) gives the bits of its dequantized values."""
+"kernel"): RoPE with the KV store, paged attention with each window the model uses, and a plain layer in one op, at
+every row count; the one op equals its ops one by one; paged attention rows equal whatever their batch, items and
+block placement; every op agrees with float64 (the sampler's logit_stats too, on the model's vocabulary); and, for
+every file and library, that each weight read as shipped (models/quant.py) gives the bits of its dequantized
+values."""
 import torch
 import torch.nn.functional as F
 
+from prefixcache.config import ISAS
 from prefixcache.models import paged
 from prefixcache.models.attention import Queries
 from prefixcache.models.exactness import Target
-from prefixcache.models.rowwise import TorchOps
+from prefixcache.models.rowwise import KernelOps, TorchOps
 
 BLOCK = 16  # the probe pool's block size
 SWEEP_KEYS = 320  # keys past a window in the row counts' check of attention: beyond one span of 256 (paged.py)
@@ -18,7 +20,7 @@ SWEEP_KEYS = 320  # keys past a window in the row counts' check of attention: be
 def problems(model, gen: torch.Generator) -> list[str]:
     """What is wrong with `model`'s kernels (a Llama on KernelOps), or nothing."""
     return [p for window in model.windows.values() for p in _paged(model, gen, window)] + _accuracy(model, gen) + \
-        _logit_stats(model, gen)
+        _logit_stats(model, gen) + _layer(model, gen)
 
 
 def paged_targets(model, n_rows: int, gen: torch.Generator) -> list[tuple[str, str, Target]]:
@@ -40,7 +42,8 @@ def paged_targets(model, n_rows: int, gen: torch.Generator) -> list[tuple[str, s
         v = v_pool.view(-1, kv, BLOCK, d)[s // BLOCK, :, s % BLOCK]
         return torch.cat([t.reshape(hi - lo, -1) for t in (q, k, v)], dim=1)
     return [("rope_store", f"{heads}+{kv}+{kv} heads", rope_store)] + [
-        _attend_target(model, window, n_rows, gen) for window in model.windows.values()]
+        _attend_target(model, window, n_rows, gen) for window in model.windows.values()] + (
+        [("layer", "layer 0", layer_target(model, n_rows, gen))] if model.one_op else [])
 
 
 def _attend_target(model, window: int, n_rows: int, gen: torch.Generator) -> tuple[str, str, Target]:
@@ -58,6 +61,55 @@ def _attend_target(model, window: int, n_rows: int, gen: torch.Generator) -> tup
         return paged.attend(q[lo:hi], *pool, paged.plan(queries, hi - lo, BLOCK, window), model.ops.isa,
                             model.attn_scale)
     return "attend" + (f" window {window}" if window else ""), f"{keys} keys", attend
+
+
+PREFIX = 2  # blocks of earlier keys the tokens of a layer's check share
+
+
+def layer_target(model, n_rows: int, gen: torch.Generator) -> Target:
+    """A plain layer in one op (paged.layer) on layer 0's weights, as the probe's target: n_rows decode tokens, each
+    its own sequence at the same position, reading the same earlier keys and storing its key and value in a block of
+    its own; rows lo..hi in one call, their outputs a row each."""
+    tokens = _layer_tokens(model, n_rows, gen)
+    return lambda lo, hi, size: _layer_call(model, paged.layer, tokens, lo, hi)
+
+
+def _layer_tokens(model, n_rows: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Inputs x, cos, sin and pools k, v for n_rows tokens of layer_target."""
+    c = model.config
+    x = torch.randn(n_rows, c.hidden_size, generator=gen)
+    k, v = (torch.randn((PREFIX + n_rows) * BLOCK, c.num_kv_heads, c.head_dim, generator=gen) for _ in range(2))
+    return x, *model.rope[False].rows(torch.full((n_rows,), PREFIX * BLOCK)), *paged.laid_out(k, v)
+
+
+def _layer_call(model, fn, tokens: tuple[torch.Tensor, ...], lo: int, hi: int) -> torch.Tensor:
+    """fn (paged.layer or _separate) on rows lo..hi of layer_target's tokens, over copies of the pools."""
+    c, pos = model.config, PREFIX * BLOCK
+    x, cos, sin, k, v = tokens
+    queries = [Queries(i, [pos], pos + 1, list(range(PREFIX)) + [PREFIX + lo + i]) for i in range(hi - lo)]
+    plan = paged.plan(queries, hi - lo, BLOCK, model.windows[0 in model.local_layers])
+    return fn(x[lo:hi], model.layers[0], c.rms_norm_eps, cos[lo:hi], sin[lo:hi], k.clone(), v.clone(),
+              (PREFIX + torch.arange(lo, hi)) * BLOCK, c.num_heads, plan, model.attn_scale, model.ops.isa)
+
+
+def _separate(x: torch.Tensor, L: dict, eps: float, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+              v_pool: torch.Tensor, slots: torch.Tensor, heads: int, p: paged.PagedPlan, scale: float,
+              isa: int) -> torch.Tensor:
+    """What paged.layer computes, as the ops the forward calls one by one for a layer that is not plain."""
+    ops = KernelOps(ISAS[isa])
+    qkv = ops.norm_linear(x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
+    q = paged.rope_store(qkv, cos, sin, k_pool, v_pool, slots, heads, k_pool.shape[1], isa)
+    h = ops.linear(paged.attend(q, k_pool, v_pool, p, isa, scale).view(len(x), -1), L["o"], residual=x)
+    return ops.swiglu_linear(ops.norm_linear(h, L["ln2"], eps, L["gate_up"]), L["down"], residual=h)
+
+
+def _layer(model, gen: torch.Generator) -> list[str]:
+    """A plain layer in one op gives the bits of its ops one by one, on 9 tokens."""
+    if not model.one_op:
+        return []
+    tokens = _layer_tokens(model, 9, gen)
+    one, apart = (_layer_call(model, fn, tokens, 0, 9) for fn in (paged.layer, _separate))
+    return [] if torch.equal(one, apart) else ["layer differs from its ops one by one"]
 
 
 def shipped(model, gen: torch.Generator) -> list[str]:

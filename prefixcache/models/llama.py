@@ -71,6 +71,8 @@ class Llama:
         self.local_layers = frozenset(c.local_layers)
         self.attn_scale = c.attn_scale or c.head_dim ** -0.5
         self.exact: Exactness = rows_plan("", "until the engine sets the probed plan")
+        # every layer of the form paged.layer computes (on our kernels, one op a layer)
+        self.one_op = c.activation == "silu" and not c.qk_norm and not c.sandwich_norms
 
     @property
     def paged(self) -> bool:
@@ -136,17 +138,23 @@ class Llama:
                        for kind, p in plans.items()}  # a plan's own: a tile one leaves out, the other may write
         glu_linear = self.ops.swiglu_linear if c.activation == "silu" else self.ops.geglu_linear
         glu = self.ops.swiglu if c.activation == "silu" else self.ops.geglu
+        # a plain layer (no QK-norm, no sandwich norms, SwiGLU) with no adapter in the batch: one op on our kernels
+        one_op = self.paged and self.one_op and not batch.adapters
         for i, L in enumerate(self.layers):
             if between:
                 with torch.inference_mode(False):  # as outside any forward: it may create requests' own tensors
                     between()
+            kind = local, part = kinds[i]
+            cos, sin = tables[local]
+            k_pool, v_pool, slots = pool.k[pool_rows[i]], pool.v[pool_rows[i]], batch.slots[part]
+            if one_op:
+                x = paged.layer(x, L, eps, cos, sin, k_pool, v_pool, slots, c.num_heads, plans[kind],
+                                self.attn_scale, self.ops.isa)
+                continue
             qkv = self._rows(self.ops.norm_linear, x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
             self._lora(batch, i, "qkv", qkv, lambda rows: self._rows(self.ops.rms_norm, x[rows], L["ln1"], eps))
             if c.qk_norm:
                 qkv = self._qk_norm(qkv, L)
-            kind = local, part = kinds[i]
-            cos, sin = tables[local]
-            k_pool, v_pool, slots = pool.k[pool_rows[i]], pool.v[pool_rows[i]], batch.slots[part]
             if self.paged:
                 q = paged.rope_store(qkv, cos, sin, k_pool, v_pool, slots, c.num_heads, c.num_kv_heads, self.ops.isa)
                 o = paged.attend(q, k_pool, v_pool, plans[kind], self.ops.isa, self.attn_scale)

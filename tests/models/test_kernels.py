@@ -220,21 +220,42 @@ def test_warm_chunked_batched_equal_cold_on_both_paths(tiny_model):
         assert outs[1].cached_tokens == 200 and all(torch.equal(a, b) for a, b in zip(singles, together))
 
 
-def test_a_kernel_that_fails_the_startup_check_falls_back_to_torch(tiny_model, monkeypatch, caplog, tmp_path):
-    """A kernel giving other bits for one row count: the probe drops the kernels, and the torch path is probed."""
+@pytest.mark.parametrize("op", ["rms_norm+qkv", "layer"])
+def test_a_kernel_that_fails_the_startup_check_falls_back_to_torch(op, tiny_model, monkeypatch, caplog, tmp_path):
+    """A kernel giving other bits for one row count (a fused GEMM, or the one op of a layer): the probe drops the
+    kernels, and the torch path is probed."""
     monkeypatch.setenv("PREFIXCACHE_HOME", str(tmp_path))  # not the cached confirmation of the real kernels
-    real = KernelOps.norm_linear
+    owner, name = (KernelOps, "norm_linear") if op == "rms_norm+qkv" else (paged, "layer")
+    real = getattr(owner, name)
 
-    def norm_linear(self, x, *args):
-        y = real(self, x, *args)
+    @functools.wraps(real)  # the probe's float64 check finds the reference by the op's name
+    def broken(*args):
+        y = real(*args)
+        x = args[1] if owner is KernelOps else args[0]
         return y + 1e-3 if x.shape[0] == 311 else y  # a row count of the spread past those probed densely
-    monkeypatch.setattr(KernelOps, "norm_linear", norm_linear)
+    monkeypatch.setattr(owner, name, broken)
     llm = LLM(model=tiny_model, enable_prefix_cache=False)
     plan = llm.exactness
     assert plan.mode == "pad"
-    assert plan.kernels.startswith("off: failed the startup check (rms_norm+qkv differs at [311] rows")
+    assert plan.kernels.startswith(f"off: failed the startup check ({op} differs at [311] rows")
     assert not llm.engine.runner.model.paged and "running the torch path" in caplog.text
     assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
+
+
+def test_a_plain_layer_in_one_op_gives_the_bits_of_its_ops_one_by_one(tiny_model):
+    """The forward's one op a layer (paged.layer) against the same layers' ops one by one, on batched, chunked and
+    cached requests: the same tokens and logits. (A batch with a LoRA adapter runs its ops one by one: test_lora.)"""
+    prompts = [list(range(4000, 4300)), list(range(4000, 4200)) + [5, 6], [7, 8, 9]]
+    runs = []
+    for one_op in (True, False):
+        llm = LLM(model=tiny_model, max_batch_tokens=96)
+        assert llm.engine.runner.model.one_op
+        llm.engine.runner.model.one_op = one_op
+        llm.generate(prompts[:1], GREEDY)
+        runs.append(generate_with_logits(llm, prompts, GREEDY))
+    (outs, logits), (apart, apart_logits) = runs
+    assert outs[1].cached_tokens == 200 and [o.token_ids for o in outs] == [o.token_ids for o in apart]
+    assert all(torch.equal(a, b) for a, b in zip(logits, apart_logits))
 
 
 def _recording(monkeypatch) -> dict[tuple, set[int]]:
@@ -266,6 +287,8 @@ def _recording(monkeypatch) -> dict[tuple, set[int]]:
     monkeypatch.setattr(paged, "rope_store", record("rope_store", paged.rope_store, lambda qkv, *a: ((), len(qkv))))
     monkeypatch.setattr(paged, "attend",
                         record("attend", paged.attend, lambda q, k, v, p, *a: ((("window", p.window),), len(q))))
+    monkeypatch.setattr(paged, "layer", record("layer", paged.layer,
+                                               lambda x, L, *a: ((("window", a[7].window),), len(x))))
     return calls
 
 
@@ -283,6 +306,8 @@ def test_the_probe_checks_every_call_the_forward_makes_at_every_row_count(family
     monkeypatch.undo()
     if family == "tiny_gemma":
         assert {("attend", (("window", w),)) for w in (0, 128)} <= set(forward)  # global and local layers
+    else:  # a plain layer: one op
+        assert ("layer", (("window", 0),)) in forward and not any(op == "attend" for op, _ in forward)
     probed = _recording(monkeypatch)
     plan = _confirm(model, "kernel", 80, 4, "")
     assert plan.mode == "kernel", plan.note
