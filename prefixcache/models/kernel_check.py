@@ -114,16 +114,17 @@ def _layer(model, gen: torch.Generator) -> list[str]:
 
 def shipped(model, gen: torch.Generator) -> list[str]:
     """The weights whose blocks as shipped do not give their dequantized values' bits: random rows through each
-    weight read as shipped, in every layer, at 1 row (dequantized in registers) and past ops.quant_rows (into
-    scratch), against the same weight dequantized (gguf's reference) into fp32 panels, one weight at a time (the row
-    counts' check is of the first layer; this is of each weight's own data, so its verdict is kept under those bytes:
-    models/probe.py). A tied embedding's rows, which the kernels dequantize from the LM head's panels, are its."""
+    weight read as shipped, in every layer, at 1 and 8 rows (dequantized in registers: in whole panels, and on AVX2
+    in half panels) and past ops.quant_rows (into scratch), against the same weight dequantized (gguf's reference)
+    into fp32 panels, one weight at a time (the row counts' check is of the first layer; this is of each weight's own
+    data, so its verdict is kept under those bytes: models/probe.py). A tied embedding's rows, which the kernels
+    dequantize from the LM head's panels, are its."""
     bad, ops = [], model.ops
     for name, w in model.gemm_weights().items():
         if w.kinds:
             x = torch.randn(ops.quant_rows + 1, w.shape[1], generator=gen)
             fp32 = ops.dequantized(w)
-            ok = all(torch.equal(ops.linear(r, w), ops.linear(r, fp32)) for r in (x[:1], x))
+            ok = all(torch.equal(ops.linear(r, w), ops.linear(r, fp32)) for r in (x[:1], x[:8], x))
             if w is model.embed:
                 ids = torch.randint(0, w.shape[0], (64,), generator=gen)
                 ok = ok and torch.equal(w.take(ids, ops.isa), fp32.take(ids, ops.isa))

@@ -10,6 +10,7 @@ namespace PC_NS {
 
 #if defined(PC_AVX512)
 struct V16 {
+  static constexpr int LANES = 16, OFFSET = 0;  // lanes, and the panel's first lane they hold
   __m512 v;
   static V16 zero() { return {_mm512_setzero_ps()}; }
   static V16 set1(float x) { return {_mm512_set1_ps(x)}; }
@@ -70,6 +71,7 @@ inline V16 vmin(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }
 
 #elif defined(PC_AVX2)
 struct V16 {
+  static constexpr int LANES = 16, OFFSET = 0;
   __m256 lo, hi;
   static V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static V16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
@@ -154,6 +156,37 @@ inline V16 fma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo),
 inline V16 fms(V16 a, V16 b, V16 c) { return {_mm256_fmsub_ps(a.lo, b.lo, c.lo), _mm256_fmsub_ps(a.hi, b.hi, c.hi)}; }
 inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 inline V16 vmin(V16 a, V16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+
+// Half of a panel's 16 lanes, H = 0 (lanes 0-7) or 1 (8-15), in one AVX2 register: a register tile of the weights'
+// blocks on AVX2 is 8 lanes wide, so that 8 rows' sums fit in the 16 registers with the weights and scales. Each
+// operation is lane-wise V16's on its lanes, so the same bits.
+template <int H>
+struct V8 {
+  static constexpr int LANES = 8, OFFSET = 8 * H;
+  __m256 v;
+  static V8 zero() { return {_mm256_setzero_ps()}; }
+  static V8 set1(float x) { return {_mm256_set1_ps(x)}; }
+  static V8 load_n(const float* p, int n) { return {_mm256_maskload_ps(p, V16::mask8(n))}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void store_n(float* p, int n) const { _mm256_maskstore_ps(p, V16::mask8(n), v); }
+  static V8 load_f16(const void* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p + H))}; }
+  static V8 load_bf16(const void* p) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p + H));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(h, 16))};
+  }
+  static __m128i half(__m128i b) { return H ? _mm_srli_si128(b, 8) : b; }
+  static V8 from_u8(__m128i b) { return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half(b)))}; }
+  static V8 from_i8(__m128i b) { return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half(b)))}; }
+  static void nibbles(__m128i b, int minus, V8& lo, V8& hi) {
+    const __m256i w = _mm256_cvtepu8_epi32(half(b)), m = _mm256_set1_epi32(minus);
+    lo = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, _mm256_set1_epi32(15)), m))};
+    hi = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w, 4), m))};
+  }
+};
+template <int H> inline V8<H> operator+(V8<H> a, V8<H> b) { return {_mm256_add_ps(a.v, b.v)}; }
+template <int H> inline V8<H> operator*(V8<H> a, V8<H> b) { return {_mm256_mul_ps(a.v, b.v)}; }
+template <int H> inline V8<H> fma(V8<H> a, V8<H> b, V8<H> c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+template <int H> inline V8<H> fms(V8<H> a, V8<H> b, V8<H> c) { return {_mm256_fmsub_ps(a.v, b.v, c.v)}; }
 #else
 #error "build with -DPC_AVX512 or -DPC_AVX2"
 #endif
