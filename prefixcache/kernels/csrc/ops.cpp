@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -294,6 +295,16 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
+// fn(i, scratch) for i = 0..units - 1, handed out one at a time to the threads, each with scratch of its own
+template <class Fn>
+void each_unit(int64_t units, int64_t scratch_floats, const Fn& fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), units), 1, [&](int64_t, int64_t) {
+    const std::unique_ptr<float[]> scratch(new float[scratch_floats]);  // not zeroed: each unit resets what it uses
+    for (int64_t i = next++; i < units; i = next++) fn(i, scratch.get());
+  });
+}
+
 constexpr int64_t SERIAL_KEY_DIMS = 2048 * 64;  // attention over at most this many keys x head size: one thread
 
 // Every index attend follows, checked once before any thread runs: order lists each token once, items cut order
@@ -365,13 +376,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   check_plan(a, tokens, tables.size(0), num_items, k.size(0) / block_size);
   const int32_t* it = items.data_ptr<int32_t>();
   if (units >= 2 * at::get_num_threads()) {
-    // units differ in cost (a causal chunk's later tokens read more keys): handed out one at a time, the last (the
-    // costliest of a prefill) first. Halves in order left one of two threads a quarter of a 512-token chunk's work
-    // (SmolLM2, Intel Xeon, 2 threads: keys 0-511 2.10 -> 1.63 ms a layer, 512-1023 4.70 -> 4.33 ms)
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      std::vector<float> scratch(attn_scratch(a));
-      for (int64_t i = next++; i < units; i = next++) kern.attend(a, scratch.data(), units - 1 - i, units - i);
+    // units differ in cost (a causal chunk's later tokens read more keys): the last (the costliest of a prefill)
+    // first. Halves in order left one of two threads a quarter of a 512-token chunk's work (SmolLM2, Intel Xeon, 2
+    // threads: keys 0-511 2.10 -> 1.63 ms a layer, 512-1023 4.70 -> 4.33 ms)
+    each_unit(units, attn_scratch(a), [&](int64_t i, float* scratch) {
+      kern.attend(a, scratch, units - 1 - i, units - i);
     });
     return out;
   }
@@ -385,18 +394,19 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     for (int64_t s = 0; s <= last / SPAN; s++) spans.insert(spans.end(), {(int32_t)i, (int32_t)s});
   }
   const int64_t span_units = (int64_t)spans.size() / 2 * a.kv_heads;
-  std::vector<float> partials(span_units * attn_partial(a));
+  // not zeroed (190 KB a layer at b = 1 for SmolLM2): each span resets the state it uses
+  const std::unique_ptr<float[]> partials(new float[span_units * attn_partial(a)]), scratch(new float[attn_scratch(a)]);
   // too little to wake another thread for (one sequence of 320 keys, SmolLM2's heads: 16 us a call on one thread, 25
-  // on two; even at 1-4k keys two threads gained nothing measurable): one thread, the same arithmetic
-  const int64_t grain = span_units * SPAN * a.d <= SERIAL_KEY_DIMS ? span_units : 1;
-  at::parallel_for(0, span_units, grain, [&](int64_t u0, int64_t u1) {
-    std::vector<float> scratch(attn_scratch(a));
-    kern.attend_spans(a, spans.data(), partials.data(), scratch.data(), u0, u1);
-  });
-  at::parallel_for(0, units, grain == 1 ? 1 : units, [&](int64_t u0, int64_t u1) {
-    std::vector<float> scratch(attn_scratch(a));
-    kern.attend_merge(a, first.data(), partials.data(), scratch.data(), u0, u1);
-  });
+  // on two; even at 1-4k keys two threads gained nothing measurable): one thread, the same arithmetic. Else the
+  // spans in order, a full one before the last's few keys (halves in order gave one of two threads 8 of 1,056 keys'
+  // 12 full spans: SmolLM2 decode at b = 1, Intel Xeon, 30 layers out of cache 3.25 -> 2.78 ms)
+  if (span_units * SPAN * a.d <= SERIAL_KEY_DIMS)
+    kern.attend_spans(a, spans.data(), partials.get(), scratch.get(), 0, span_units);
+  else
+    each_unit(span_units, attn_scratch(a), [&](int64_t u, float* unit_scratch) {
+      kern.attend_spans(a, spans.data(), partials.get(), unit_scratch, u, u + 1);
+    });
+  kern.attend_merge(a, first.data(), partials.get(), scratch.get(), 0, units);  // a few states a unit: one thread
   return out;
 }
 
