@@ -123,20 +123,29 @@ def _unpadded(plan, tile: int):
 
 def _decode_step_ms(llms: list, b: int) -> list[float]:
     """The median engine step of b sequences decoding at context DECODE_CTX, for each engine; with several, a step
-    of each in turn (a shared machine's bandwidth moves by the minute)."""
+    of each in turn (a shared machine's bandwidth moves by the minute). Only steps in which all b decode count: the
+    first sequences prefilled start decoding while the others prefill, so with a fixed output length they would
+    finish first and leave steps of fewer (at b = 8, about half of 24 steps were of fewer than 8 before 2026-12-05)."""
     from prefixcache import SamplingParams
+    from prefixcache.engine.sequence import Status
 
-    params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_CTX, ignore_eos=True)
+    running = []
     for llm in llms:
         seqs = [llm.engine.add_request(_tokens(DECODE_CTX, 100 + i), params) for i in range(b)]
         while any(s.num_computed < s.num_prompt for s in seqs):
             llm.engine.step()
+        running.append(seqs)
     times = [[] for _ in llms]
-    while any(llm.engine.has_unfinished() for llm in llms):
+    for _ in range(DECODE_TOKENS):
         for llm, steps in zip(llms, times):
             t = time.perf_counter()
             llm.engine.step()
             steps.append(time.perf_counter() - t)
+    for llm, seqs in zip(llms, running):
+        assert all(s.status is Status.RUNNING for s in seqs), "every timed step decodes all b sequences"
+        for s in seqs:
+            llm.engine.abort(s)
     return [statistics.median(steps) * 1e3 for steps in times]
 
 
