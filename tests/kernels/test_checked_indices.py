@@ -180,3 +180,34 @@ def test_linear_refuses(case, isa):
     parts, kinds, message = LINEAR[case]
     with pytest.raises(RuntimeError, match=message):
         ops.linear(x, parts(w), kinds, [32], None, isa)
+
+
+def _layer_args(isa: int) -> dict:
+    """A plain layer (hidden 32, 4 heads over 2 kv heads of 16 dims, MLP 32) on _attend_args' step, fp32 weights."""
+    a, g = _attend_args(isa), torch.Generator().manual_seed(1)
+    parts = [_f32_part(torch.randn(n, k, generator=g)) for n, k in ((128, 32), (32, 64), (64, 32), (32, 32))]
+    return dict(x=torch.randn(6, 32, generator=g), ln1=torch.ones(32), ln2=torch.ones(32), eps=1e-5, parts=parts,
+                kinds=[0] * 4, rows=[128, 32, 64, 32], counts=[1] * 4, qkv_bias=None, cos=torch.ones(6, 16),
+                sin=torch.zeros(6, 16), k_pool=a["k"], v_pool=a["v"], slots=torch.tensor([84, 85, 86, 87, 88, 104]),
+                heads=4, **{n: a[n] for n in ("pos", "tables", "row_seq", "order", "items", "block_size", "scale")},
+                window=0, isa=isa)
+
+
+LAYER = {
+    "counts not adding up to the parts": (_replace("counts", lambda c: [1, 1, 1, 2]), "counts must add up"),
+    "a weight of no parts": (_replace("counts", lambda c: [0, 2, 1, 1]), "each weight has at least one part"),
+    "fewer than four weights": (_replace("counts", lambda c: [2, 1, 1]), "four weights"),
+    "table entry past the pool": (_set("tables", (1, 2), 8), "table 1 entry 2 is block 8, outside the pool's 8"),
+    "slot past the pool": (_set("slots", 5, 128), "slot 128 of row 5 is outside the pool's 128 slots"),
+}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", LAYER)
+def test_the_layer_op_refuses(case, isa):
+    assert ops.layer(**_layer_args(isa)).shape == (6, 32)
+    change, message = LAYER[case]
+    args = _layer_args(isa)
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        ops.layer(**args)
