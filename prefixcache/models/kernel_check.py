@@ -43,7 +43,7 @@ def paged_targets(model, n_rows: int, gen: torch.Generator) -> list[tuple[str, s
         return torch.cat([t.reshape(hi - lo, -1) for t in (q, k, v)], dim=1)
     return [("rope_store", f"{heads}+{kv}+{kv} heads", rope_store)] + [
         _attend_target(model, window, n_rows, gen) for window in model.windows.values()] + (
-        [("layer", "layer 0", layer_target(model, n_rows, gen))] if model.one_op else [])
+        [("layers", "layer 0", layer_target(model, n_rows, gen))] if model.one_op else [])
 
 
 def _attend_target(model, window: int, n_rows: int, gen: torch.Generator) -> tuple[str, str, Target]:
@@ -67,11 +67,11 @@ PREFIX = 2  # blocks of earlier keys the tokens of a layer's check share
 
 
 def layer_target(model, n_rows: int, gen: torch.Generator) -> Target:
-    """A plain layer in one op (paged.layer) on layer 0's weights, as the probe's target: n_rows decode tokens, each
+    """A plain layer in one op (paged.layers) on layer 0's weights, as the probe's target: n_rows decode tokens, each
     its own sequence at the same position, reading the same earlier keys and storing its key and value in a block of
     its own; rows lo..hi in one call, their outputs a row each."""
     tokens = _layer_tokens(model, n_rows, gen)
-    return lambda lo, hi, size: _layer_call(model, paged.layer, tokens, lo, hi)
+    return lambda lo, hi, size: _layer_call(model, paged.layers, tokens, lo, hi)
 
 
 def _layer_tokens(model, n_rows: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -83,24 +83,27 @@ def _layer_tokens(model, n_rows: int, gen: torch.Generator) -> tuple[torch.Tenso
 
 
 def _layer_call(model, fn, tokens: tuple[torch.Tensor, ...], lo: int, hi: int) -> torch.Tensor:
-    """fn (paged.layer or _separate) on rows lo..hi of layer_target's tokens, over copies of the pools."""
+    """fn (paged.layers or _separate) on layer 0 alone, on rows lo..hi of layer_target's tokens, over copies of the
+    pools."""
     c, pos = model.config, PREFIX * BLOCK
     x, cos, sin, k, v = tokens
     queries = [Queries(i, [pos], pos + 1, list(range(PREFIX)) + [PREFIX + lo + i]) for i in range(hi - lo)]
     plan = paged.plan(queries, hi - lo, BLOCK, model.windows[0 in model.local_layers])
-    return fn(x[lo:hi], model.layers[0], c.rms_norm_eps, cos[lo:hi], sin[lo:hi], k.clone(), v.clone(),
+    return fn(x[lo:hi], model.layers[:1], c.rms_norm_eps, cos[lo:hi], sin[lo:hi], k.clone()[None], v.clone()[None], [0],
               (PREFIX + torch.arange(lo, hi)) * BLOCK, c.num_heads, plan, model.attn_scale, model.ops.isa)
 
 
-def _separate(x: torch.Tensor, L: dict, eps: float, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
-              v_pool: torch.Tensor, slots: torch.Tensor, heads: int, p: paged.PagedPlan, scale: float,
+def _separate(x: torch.Tensor, Ls: list[dict], eps: float, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor, pool_rows: list[int], slots: torch.Tensor, heads: int, p: paged.PagedPlan, scale: float,
               isa: int) -> torch.Tensor:
-    """What paged.layer computes, as the ops the forward calls one by one for a layer that is not plain."""
+    """What paged.layers computes, as the ops the forward calls one by one for a layer that is not plain."""
     ops = KernelOps(ISAS[isa])
-    qkv = ops.norm_linear(x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
-    q = paged.rope_store(qkv, cos, sin, k_pool, v_pool, slots, heads, k_pool.shape[1], isa)
-    h = ops.linear(paged.attend(q, k_pool, v_pool, p, isa, scale).view(len(x), -1), L["o"], residual=x)
-    return ops.swiglu_linear(ops.norm_linear(h, L["ln2"], eps, L["gate_up"]), L["down"], residual=h)
+    for L, row in zip(Ls, pool_rows):
+        qkv = ops.norm_linear(x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
+        q = paged.rope_store(qkv, cos, sin, k[row], v[row], slots, heads, k.shape[2], isa)
+        h = ops.linear(paged.attend(q, k[row], v[row], p, isa, scale).view(len(x), -1), L["o"], residual=x)
+        x = ops.swiglu_linear(ops.norm_linear(h, L["ln2"], eps, L["gate_up"]), L["down"], residual=h)
+    return x
 
 
 def _layer(model, gen: torch.Generator) -> list[str]:
@@ -108,7 +111,7 @@ def _layer(model, gen: torch.Generator) -> list[str]:
     if not model.one_op:
         return []
     tokens = _layer_tokens(model, 9, gen)
-    one, apart = (_layer_call(model, fn, tokens, 0, 9) for fn in (paged.layer, _separate))
+    one, apart = (_layer_call(model, fn, tokens, 0, 9) for fn in (paged.layers, _separate))
     return [] if torch.equal(one, apart) else ["layer differs from its ops one by one"]
 
 

@@ -71,7 +71,7 @@ class Llama:
         self.local_layers = frozenset(c.local_layers)
         self.attn_scale = c.attn_scale or c.head_dim ** -0.5
         self.exact: Exactness = rows_plan("", "until the engine sets the probed plan")
-        # every layer of the form paged.layer computes (on our kernels, one op a layer)
+        # every layer of the form paged.layers computes (on our kernels, one op for a run of layers)
         self.one_op = c.activation == "silu" and not c.qk_norm and not c.sandwich_norms
 
     @property
@@ -136,10 +136,20 @@ class Llama:
                                                    window=windows[local]) for local, part in set(kinds.values())}
             results = {kind: attention.empty_results(p, n + pad, c.num_heads, c.head_dim, x.dtype)
                        for kind, p in plans.items()}  # a plan's own: a tile one leaves out, the other may write
+        # plain layers (no QK-norm, no sandwich norms, SwiGLU) with no adapter in the batch, on our kernels: a run of
+        # layers under one plan in one op (each layer alone when `between` runs before each)
+        if self.paged and self.one_op and not batch.adapters:
+            for run in _runs(list(kinds.values()), alone=between is not None):
+                if between:
+                    with torch.inference_mode(False):
+                        between()
+                local, part = kind = kinds[run[0]]
+                x = paged.layers(x, [self.layers[i] for i in run], eps, *tables[local], pool.k, pool.v,
+                                 [pool_rows[i] for i in run], batch.slots[part], c.num_heads, plans[kind],
+                                 self.attn_scale, self.ops.isa)
+            return self._rows(self.ops.rms_norm, x, self.norm, eps)[:n]
         glu_linear = self.ops.swiglu_linear if c.activation == "silu" else self.ops.geglu_linear
         glu = self.ops.swiglu if c.activation == "silu" else self.ops.geglu
-        # a plain layer (no QK-norm, no sandwich norms, SwiGLU) with no adapter in the batch: one op on our kernels
-        one_op = self.paged and self.one_op and not batch.adapters
         for i, L in enumerate(self.layers):
             if between:
                 with torch.inference_mode(False):  # as outside any forward: it may create requests' own tensors
@@ -147,10 +157,6 @@ class Llama:
             kind = local, part = kinds[i]
             cos, sin = tables[local]
             k_pool, v_pool, slots = pool.k[pool_rows[i]], pool.v[pool_rows[i]], batch.slots[part]
-            if one_op:
-                x = paged.layer(x, L, eps, cos, sin, k_pool, v_pool, slots, c.num_heads, plans[kind],
-                                self.attn_scale, self.ops.isa)
-                continue
             qkv = self._rows(self.ops.norm_linear, x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
             self._lora(batch, i, "qkv", qkv, lambda rows: self._rows(self.ops.rms_norm, x[rows], L["ln1"], eps))
             if c.qk_norm:
@@ -251,3 +257,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def _runs(kinds: list, alone: bool) -> list[list[int]]:
+    """The layers in runs of consecutive layers of one kind (each layer a run of its own when `alone`)."""
+    runs: list[list[int]] = []
+    for i, kind in enumerate(kinds):
+        if runs and not alone and kinds[runs[-1][0]] == kind:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs

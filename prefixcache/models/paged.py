@@ -103,13 +103,15 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: Paged
                                         p.block_size, scale or q.shape[-1] ** -0.5, isa, p.window)
 
 
-def layer(x: torch.Tensor, L: dict, eps: float, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
-          v_pool: torch.Tensor, slots: torch.Tensor, heads: int, p: PagedPlan, scale: float, isa: int) -> torch.Tensor:
-    """One decoder layer of the plain form (RMSNorm, attention, RMSNorm, SwiGLU, each added to x) on the layer's
-    weights L (models/llama.py) in one op: the ops Llama.forward calls for it in turn, with the same bits."""
-    weights: list[Packed] = [L[name] for name in ("qkv", "o", "gate_up", "down")]
-    return torch.ops.prefixcache.layer(
-        x.contiguous(), L["ln1"], L["ln2"], eps, [t for w in weights for t in w.data],
+def layers(x: torch.Tensor, Ls: list[dict], eps: float, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor, pool_rows: list[int], slots: torch.Tensor, heads: int, p: PagedPlan, scale: float,
+           isa: int) -> torch.Tensor:
+    """Decoder layers of the plain form (RMSNorm, attention, RMSNorm, SwiGLU, each added to x), each on its weights
+    Ls[i] (models/llama.py) and its keys and values at row pool_rows[i] of the pool's k, v, all under one plan, in one
+    op: the ops Llama.forward calls for each in turn, with the same bits."""
+    weights: list[Packed] = [L[name] for L in Ls for name in ("qkv", "o", "gate_up", "down")]
+    return torch.ops.prefixcache.layers(
+        x.contiguous(), [L["ln1"] for L in Ls], [L["ln2"] for L in Ls], eps, [t for w in weights for t in w.data],
         [i for w in weights for i in w.ids], [r for w in weights for r in w.rows], [len(w.data) for w in weights],
-        L["qkv_bias"], cos.contiguous(), sin.contiguous(), k_pool, v_pool, slots, heads, p.pos, p.tables, p.row_seq,
-        p.order, p.items, p.block_size, scale, p.window, isa)
+        [L["qkv_bias"] for L in Ls], cos.contiguous(), sin.contiguous(), k, v, pool_rows, slots, heads, p.pos,
+        p.tables, p.row_seq, p.order, p.items, p.block_size, scale, p.window, isa)

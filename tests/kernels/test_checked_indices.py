@@ -182,32 +182,46 @@ def test_linear_refuses(case, isa):
         ops.linear(x, parts(w), kinds, [32], None, isa)
 
 
+def _first_parts(n: int):
+    def change(a):
+        a["parts"], a["kinds"], a["rows"] = a["parts"][:n], a["kinds"][:n], a["rows"][:n]
+    return change
+
+
 def _layer_args(isa: int) -> dict:
-    """A plain layer (hidden 32, 4 heads over 2 kv heads of 16 dims, MLP 32) on _attend_args' step, fp32 weights."""
+    """Two plain layers (hidden 32, 4 heads over 2 kv heads of 16 dims, MLP 32) on _attend_args' step, fp32 weights,
+    their keys and values in rows 1 and 0 of a pool of two."""
     a, g = _attend_args(isa), torch.Generator().manual_seed(1)
-    parts = [_f32_part(torch.randn(n, k, generator=g)) for n, k in ((128, 32), (32, 64), (64, 32), (32, 32))]
-    return dict(x=torch.randn(6, 32, generator=g), ln1=torch.ones(32), ln2=torch.ones(32), eps=1e-5, parts=parts,
-                kinds=[0] * 4, rows=[128, 32, 64, 32], counts=[1] * 4, qkv_bias=None, cos=torch.ones(6, 16),
-                sin=torch.zeros(6, 16), k_pool=a["k"], v_pool=a["v"], slots=torch.tensor([84, 85, 86, 87, 88, 104]),
-                heads=4, **{n: a[n] for n in ("pos", "tables", "row_seq", "order", "items", "block_size", "scale")},
-                window=0, isa=isa)
+    parts = [_f32_part(torch.randn(n, k, generator=g)) for _ in range(2)
+             for n, k in ((128, 32), (32, 64), (64, 32), (32, 32))]
+    return dict(x=torch.randn(6, 32, generator=g), ln1=[torch.ones(32)] * 2, ln2=[torch.ones(32)] * 2, eps=1e-5,
+                parts=parts, kinds=[0] * 8, rows=[128, 32, 64, 32] * 2, counts=[1] * 8, qkv_bias=[None] * 2,
+                cos=torch.ones(6, 16), sin=torch.zeros(6, 16), k=torch.stack([a["k"]] * 2),
+                v=torch.stack([a["v"]] * 2), pool_rows=[1, 0], slots=torch.tensor([84, 85, 86, 87, 88, 104]), heads=4,
+                **{n: a[n] for n in ("pos", "tables", "row_seq", "order", "items", "block_size", "scale")}, window=0,
+                isa=isa)
 
 
-LAYER = {
-    "counts not adding up to the parts": (_replace("counts", lambda c: [1, 1, 1, 2]), "counts must add up"),
-    "a weight of no parts": (_replace("counts", lambda c: [0, 2, 1, 1]), "each weight has at least one part"),
-    "fewer than four weights": (_replace("counts", lambda c: [2, 1, 1]), "four weights"),
+LAYERS = {
+    "counts not adding up to the parts": (_replace("counts", lambda c: [1] * 7 + [2]), "counts must add up"),
+    "counts past the parts": (_first_parts(7), "counts must add up to the parts"),
+    "a kind missing": (_replace("kinds", lambda k: k[:7]), "one kind and one row count per part"),
+    "a weight of no parts": (_replace("counts", lambda c: [0, 2] + c[2:]), "each weight has at least one part"),
+    "fewer than four weights a layer": (_replace("counts", lambda c: [2, 1, 1, 2, 1, 1, 1]), "four weights' part"),
+    "a layer's norm missing": (_replace("ln2", lambda n: n[:1]), "per layer two norms"),
+    "pool row past the pool": (_set("pool_rows", 1, 2), "layer 1's pool row 2 is outside k's 2 rows"),
+    "a pool of three dimensions": (_replace("k", lambda k: k[0]), "k and v must be \\[rows, slots, kv heads, d\\]"),
     "table entry past the pool": (_set("tables", (1, 2), 8), "table 1 entry 2 is block 8, outside the pool's 8"),
     "slot past the pool": (_set("slots", 5, 128), "slot 128 of row 5 is outside the pool's 128 slots"),
 }
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("case", LAYER)
-def test_the_layer_op_refuses(case, isa):
-    assert ops.layer(**_layer_args(isa)).shape == (6, 32)
-    change, message = LAYER[case]
+@pytest.mark.parametrize("case", LAYERS)
+def test_the_layers_op_refuses(case, isa):
+    assert ops.layers(**_layer_args(isa)).shape == (6, 32)
+    change, message = LAYERS[case]
     args = _layer_args(isa)
     change(args)
     with pytest.raises(RuntimeError, match=message):
-        ops.layer(**args)
+        ops.layers(**args)

@@ -220,12 +220,12 @@ def test_warm_chunked_batched_equal_cold_on_both_paths(tiny_model):
         assert outs[1].cached_tokens == 200 and all(torch.equal(a, b) for a, b in zip(singles, together))
 
 
-@pytest.mark.parametrize("op", ["rms_norm+qkv", "layer"])
+@pytest.mark.parametrize("op", ["rms_norm+qkv", "layers"])
 def test_a_kernel_that_fails_the_startup_check_falls_back_to_torch(op, tiny_model, monkeypatch, caplog, tmp_path):
     """A kernel giving other bits for one row count (a fused GEMM, or the one op of a layer): the probe drops the
     kernels, and the torch path is probed."""
     monkeypatch.setenv("PREFIXCACHE_HOME", str(tmp_path))  # not the cached confirmation of the real kernels
-    owner, name = (KernelOps, "norm_linear") if op == "rms_norm+qkv" else (paged, "layer")
+    owner, name = (KernelOps, "norm_linear") if op == "rms_norm+qkv" else (paged, "layers")
     real = getattr(owner, name)
 
     @functools.wraps(real)  # the probe's float64 check finds the reference by the op's name
@@ -243,8 +243,9 @@ def test_a_kernel_that_fails_the_startup_check_falls_back_to_torch(op, tiny_mode
 
 
 def test_a_plain_layer_in_one_op_gives_the_bits_of_its_ops_one_by_one(tiny_model):
-    """The forward's one op a layer (paged.layer) against the same layers' ops one by one, on batched, chunked and
-    cached requests: the same tokens and logits. (A batch with a LoRA adapter runs its ops one by one: test_lora.)"""
+    """The forward's one op for its layers (paged.layers) against the same layers' ops one by one, on batched,
+    chunked and cached requests: the same tokens and logits. (A batch with a LoRA adapter runs its ops one by one:
+    test_lora.)"""
     prompts = [list(range(4000, 4300)), list(range(4000, 4200)) + [5, 6], [7, 8, 9]]
     runs = []
     for one_op in (True, False):
@@ -287,8 +288,8 @@ def _recording(monkeypatch) -> dict[tuple, set[int]]:
     monkeypatch.setattr(paged, "rope_store", record("rope_store", paged.rope_store, lambda qkv, *a: ((), len(qkv))))
     monkeypatch.setattr(paged, "attend",
                         record("attend", paged.attend, lambda q, k, v, p, *a: ((("window", p.window),), len(q))))
-    monkeypatch.setattr(paged, "layer", record("layer", paged.layer,
-                                               lambda x, L, *a: ((("window", a[7].window),), len(x))))
+    monkeypatch.setattr(paged, "layers", record("layers", paged.layers,
+                                                lambda x, Ls, *a: ((("window", a[8].window),), len(x))))
     return calls
 
 
@@ -306,8 +307,8 @@ def test_the_probe_checks_every_call_the_forward_makes_at_every_row_count(family
     monkeypatch.undo()
     if family == "tiny_gemma":
         assert {("attend", (("window", w),)) for w in (0, 128)} <= set(forward)  # global and local layers
-    else:  # a plain layer: one op
-        assert ("layer", (("window", 0),)) in forward and not any(op == "attend" for op, _ in forward)
+    else:  # plain layers: one op
+        assert ("layers", (("window", 0),)) in forward and not any(op == "attend" for op, _ in forward)
     probed = _recording(monkeypatch)
     plan = _confirm(model, "kernel", 80, 4, "")
     assert plan.mode == "kernel", plan.note

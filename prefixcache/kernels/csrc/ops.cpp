@@ -1,5 +1,5 @@
 // torch ops prefixcache::{supported, kinds, quant_rows, linear, rows, rms_norm, silu_mul, gelu_mul, logit_stats,
-// rope_store, attend, layer}:
+// rope_store, attend, layers}:
 // argument checks, threads, and the ISA build each call names. Threads split panels, rows or attention units, never a
 // reduction.
 #include <ATen/ATen.h>
@@ -411,29 +411,19 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 // One decoder layer of the plain form (RMSNorm before attention and before a SwiGLU MLP, each result added to the
-// residual stream) from one call: the six calls models/llama.py makes for it on our kernels, in its order, as these
-// same functions, so the same bits. What goes is Python and the dispatcher between them: a decode step of SmolLM2
-// at b = 1 11.2-11.5 -> 10.3-10.8 ms, at b = 8 35.0-35.3 -> 33.5-34.3 (Intel Xeon, steps of each in turn). The four weights' parts (qkv, o, gate_up, down) in turn, counts[i]
-// parts each, as linear takes them; the plan's arguments as attend takes them.
+// residual stream): the six calls models/llama.py makes for it on our kernels, in its order, as these same functions,
+// so the same bits. The four weights (qkv, o, gate_up, down) are parts first[i] to first[i + 1] in turn, as linear
+// takes them; the plan's arguments as attend takes them.
 at::Tensor layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps, at::TensorList parts,
-                 at::IntArrayRef kind_ids, at::IntArrayRef rows, at::IntArrayRef counts,
+                 at::IntArrayRef kind_ids, at::IntArrayRef rows, const int64_t (&first)[5],
                  const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& cos, const at::Tensor& sin,
                  at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots, int64_t heads, const at::Tensor& pos,
                  const at::Tensor& tables, const at::Tensor& row_seq, const at::Tensor& order, const at::Tensor& items,
                  int64_t block_size, double scale, int64_t window, int64_t isa) {
-  TORCH_CHECK(counts.size() == 4 && parts.size() == kind_ids.size() && parts.size() == rows.size(),
-              "layer: the parts of four weights (qkv, o, gate_up, down), one kind and one row count each");
-  int64_t first[5] = {0};
-  for (int i = 0; i < 4; i++) {
-    TORCH_CHECK(counts[i] > 0, "layer: each weight has at least one part");
-    first[i + 1] = first[i] + counts[i];
-  }
-  TORCH_CHECK(first[4] == (int64_t)parts.size(), "layer: counts must add up to the parts");
   const auto weight = [&](int i) {
-    return std::make_tuple(parts.slice(first[i], counts[i]), kind_ids.slice(first[i], counts[i]),
-                           rows.slice(first[i], counts[i]));
+    const int64_t n = first[i + 1] - first[i];
+    return std::make_tuple(parts.slice(first[i], n), kind_ids.slice(first[i], n), rows.slice(first[i], n));
   };
-  TORCH_CHECK(k_pool.dim() == 3, "layer: k_pool must be [slots, kv heads, d], got ", k_pool.sizes());
   const auto [qkv_w, qkv_k, qkv_r] = weight(0);
   const at::Tensor qkv = linear(x, qkv_w, qkv_k, qkv_r, qkv_bias, isa, ln1, eps, false, c10::nullopt);
   const at::Tensor q = rope_store(qkv, cos, sin, k_pool, v_pool, slots, heads, k_pool.size(1), isa);
@@ -444,6 +434,44 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& l
   const at::Tensor gate_up = linear(h, gu_w, gu_k, gu_r, c10::nullopt, isa, ln2, eps, false, c10::nullopt);
   const auto [down_w, down_k, down_r] = weight(3);
   return linear(gate_up, down_w, down_k, down_r, c10::nullopt, isa, c10::nullopt, 0., true, h);
+}
+
+// A run of plain layers that share one attention plan, each layer in turn, from one call: what goes is Python and the
+// dispatcher between the calls (a decode step of SmolLM2, Intel Xeon: six calls a layer in one op, at b = 1 11.2-11.5
+// -> 10.3-10.8 ms; then a run of 30 layers in one op, at b = 1 6.87-7.21 -> 6.51-6.56, at b = 8 27.35-27.40 ->
+// 25.61-25.85). Layer i has norms ln1[i], ln2[i], the four weights' parts counts[4 i .. 4 i + 3], and its keys and
+// values at row pool_rows[i] of k and v [rows, slots, kv heads, d].
+at::Tensor layers(const at::Tensor& x, at::TensorList ln1, at::TensorList ln2, double eps, at::TensorList parts,
+                  at::IntArrayRef kind_ids, at::IntArrayRef rows, at::IntArrayRef counts,
+                  const c10::List<c10::optional<at::Tensor>>& qkv_bias, const at::Tensor& cos, const at::Tensor& sin,
+                  at::Tensor k, at::Tensor v, at::IntArrayRef pool_rows, const at::Tensor& slots, int64_t heads,
+                  const at::Tensor& pos, const at::Tensor& tables, const at::Tensor& row_seq, const at::Tensor& order,
+                  const at::Tensor& items, int64_t block_size, double scale, int64_t window, int64_t isa) {
+  const int64_t n = (int64_t)ln1.size();
+  TORCH_CHECK(n > 0 && (int64_t)ln2.size() == n && (int64_t)qkv_bias.size() == n && (int64_t)pool_rows.size() == n &&
+                  (int64_t)counts.size() == 4 * n,
+              "layers: per layer two norms, a bias (or None), a pool row and four weights' part counts");
+  TORCH_CHECK(parts.size() == kind_ids.size() && parts.size() == rows.size(),
+              "layers: one kind and one row count per part");
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes(), "layers: k and v must be [rows, slots, kv heads, d], got ",
+              k.sizes(), ", ", v.sizes());
+  at::Tensor h = x;
+  int64_t first[5] = {0};
+  for (int64_t i = 0; i < n; i++) {
+    TORCH_CHECK(pool_rows[i] >= 0 && pool_rows[i] < k.size(0), "layers: layer ", i, "'s pool row ", pool_rows[i],
+                " is outside k's ", k.size(0), " rows");
+    first[0] = first[4];
+    for (int j = 0; j < 4; j++) {
+      TORCH_CHECK(counts[4 * i + j] > 0, "layers: each weight has at least one part");
+      first[j + 1] = first[j] + counts[4 * i + j];
+    }
+    TORCH_CHECK(first[4] <= (int64_t)parts.size(), "layers: counts must add up to the parts");
+    h = layer(h, ln1[i], ln2[i], eps, parts, kind_ids, rows, first, qkv_bias[i], cos, sin, k.select(0, pool_rows[i]),
+              v.select(0, pool_rows[i]), slots, heads, pos, tables, row_seq, order, items, block_size, scale, window,
+              isa);
+  }
+  TORCH_CHECK(first[4] == (int64_t)parts.size(), "layers: counts must add up to the parts");
+  return h;
 }
 
 }  // namespace
@@ -463,8 +491,8 @@ TORCH_LIBRARY(prefixcache, m) {
         "int heads, int kv_heads, int isa) -> Tensor", &rope_store);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor tables, Tensor row_seq, Tensor order, "
         "Tensor items, int block_size, float scale, int isa, int window=0) -> Tensor", &attend);
-  m.def("layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor[] parts, int[] kinds, int[] rows, int[] counts, "
-        "Tensor? qkv_bias, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, int heads, "
-        "Tensor pos, Tensor tables, Tensor row_seq, Tensor order, Tensor items, int block_size, float scale, "
-        "int window, int isa) -> Tensor", &layer);
+  m.def("layers(Tensor x, Tensor[] ln1, Tensor[] ln2, float eps, Tensor[] parts, int[] kinds, int[] rows, "
+        "int[] counts, Tensor?[] qkv_bias, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, int[] pool_rows, "
+        "Tensor slots, int heads, Tensor pos, Tensor tables, Tensor row_seq, Tensor order, Tensor items, "
+        "int block_size, float scale, int window, int isa) -> Tensor", &layers);
 }
