@@ -16,6 +16,10 @@ FAMILIES = {  # each family's own features, at the sizes of its real configs' ra
     "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=False),  # q, k, v biases
     "qwen3": dict(rope_theta=1000000.0, head_dim=48),  # QK-norm, and heads wider than hidden / heads
     "mistral": dict(rope_theta=1000000.0, sliding_window=None, head_dim=32),
+    # plain layers (our kernels run them in one op a run) whose local layers of a 128-key window alternate with a
+    # global one: a run of each
+    "qwen2-window": dict(rope_theta=1000000.0, use_sliding_window=True, sliding_window=128,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # GeGLU, sandwich norms, QK-norm, a scaled embedding; local layers of a 128-key window (the prompt is 8 of
     # them) with their own RoPE base beside a global one
     "gemma3": dict(model_type="gemma3_text", head_dim=64, query_pre_attn_scalar=48, sliding_window=128,

@@ -1,9 +1,9 @@
 """What the startup probe (models/probe.py) checks of our kernels beside the row-wise ops' row counts (mode
-"kernel"): RoPE with the KV store, paged attention with each window the model uses, and a plain layer in one op, at
-every row count; the one op equals its ops one by one; paged attention rows equal whatever their batch, items and
-block placement; every op agrees with float64 (the sampler's logit_stats too, on the model's vocabulary); and, for
-every file and library, that each weight read as shipped (models/quant.py) gives the bits of its dequantized
-values."""
+"kernel"): RoPE with the KV store, paged attention with each window the model uses, and a plain layer in one op
+with each, at every row count; the one op equals its ops one by one; paged attention rows equal whatever their
+batch, items and block placement; every op agrees with float64 (the sampler's logit_stats too, on the model's
+vocabulary); and, for every file and library, that each weight read as shipped (models/quant.py) gives the bits of
+its dequantized values."""
 import torch
 import torch.nn.functional as F
 
@@ -43,7 +43,7 @@ def paged_targets(model, n_rows: int, gen: torch.Generator) -> list[tuple[str, s
         return torch.cat([t.reshape(hi - lo, -1) for t in (q, k, v)], dim=1)
     return [("rope_store", f"{heads}+{kv}+{kv} heads", rope_store)] + [
         _attend_target(model, window, n_rows, gen) for window in model.windows.values()] + (
-        [("layers", "layer 0", layer_target(model, n_rows, gen))] if model.one_op else [])
+        [("layers", f"layer {i}", layer_target(model, i, n_rows, gen)) for i in _first_of_each_kind(model)])
 
 
 def _attend_target(model, window: int, n_rows: int, gen: torch.Generator) -> tuple[str, str, Target]:
@@ -66,12 +66,20 @@ def _attend_target(model, window: int, n_rows: int, gen: torch.Generator) -> tup
 PREFIX = 2  # blocks of earlier keys the tokens of a layer's check share
 
 
-def layer_target(model, n_rows: int, gen: torch.Generator) -> Target:
-    """A plain layer in one op (paged.layers) on layer 0's weights, as the probe's target: n_rows decode tokens, each
-    its own sequence at the same position, reading the same earlier keys and storing its key and value in a block of
-    its own; rows lo..hi in one call, their outputs a row each."""
+def layer_target(model, layer: int, n_rows: int, gen: torch.Generator) -> Target:
+    """A plain layer in one op (paged.layers) on the weights and window of `layer`, as the probe's target: n_rows
+    decode tokens, each its own sequence at the same position, reading the same earlier keys and storing its key and
+    value in a block of its own; rows lo..hi in one call, their outputs a row each."""
     tokens = _layer_tokens(model, n_rows, gen)
-    return lambda lo, hi, size: _layer_call(model, paged.layers, tokens, lo, hi)
+    return lambda lo, hi, size: _layer_call(model, layer, paged.layers, tokens, lo, hi)
+
+
+def _first_of_each_kind(model) -> list[int]:
+    """The first plain layer of each window (global, local) the model's layers use: those the probe runs in one op."""
+    firsts: dict[bool, int] = {}
+    for i in range(len(model.layers) if model.one_op else 0):
+        firsts.setdefault(i in model.local_layers, i)
+    return sorted(firsts.values())
 
 
 def _layer_tokens(model, n_rows: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -82,15 +90,16 @@ def _layer_tokens(model, n_rows: int, gen: torch.Generator) -> tuple[torch.Tenso
     return x, *model.rope[False].rows(torch.full((n_rows,), PREFIX * BLOCK)), *paged.laid_out(k, v)
 
 
-def _layer_call(model, fn, tokens: tuple[torch.Tensor, ...], lo: int, hi: int) -> torch.Tensor:
-    """fn (paged.layers or _separate) on layer 0 alone, on rows lo..hi of layer_target's tokens, over copies of the
+def _layer_call(model, layer: int, fn, tokens: tuple[torch.Tensor, ...], lo: int, hi: int) -> torch.Tensor:
+    """fn (paged.layers or _separate) on `layer` alone, on rows lo..hi of layer_target's tokens, over copies of the
     pools."""
     c, pos = model.config, PREFIX * BLOCK
     x, cos, sin, k, v = tokens
     queries = [Queries(i, [pos], pos + 1, list(range(PREFIX)) + [PREFIX + lo + i]) for i in range(hi - lo)]
-    plan = paged.plan(queries, hi - lo, BLOCK, model.windows[0 in model.local_layers])
-    return fn(x[lo:hi], model.layers[:1], c.rms_norm_eps, cos[lo:hi], sin[lo:hi], k.clone()[None], v.clone()[None], [0],
-              (PREFIX + torch.arange(lo, hi)) * BLOCK, c.num_heads, plan, model.attn_scale, model.ops.isa)
+    plan = paged.plan(queries, hi - lo, BLOCK, model.windows[layer in model.local_layers])
+    return fn(x[lo:hi], model.layers[layer:layer + 1], c.rms_norm_eps, cos[lo:hi], sin[lo:hi], k.clone()[None],
+              v.clone()[None], [0], (PREFIX + torch.arange(lo, hi)) * BLOCK, c.num_heads, plan, model.attn_scale,
+              model.ops.isa)
 
 
 def _separate(x: torch.Tensor, Ls: list[dict], eps: float, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
@@ -107,12 +116,10 @@ def _separate(x: torch.Tensor, Ls: list[dict], eps: float, cos: torch.Tensor, si
 
 
 def _layer(model, gen: torch.Generator) -> list[str]:
-    """A plain layer in one op gives the bits of its ops one by one, on 9 tokens."""
-    if not model.one_op:
-        return []
+    """A plain layer in one op gives the bits of its ops one by one, on 9 tokens, for each window."""
     tokens = _layer_tokens(model, 9, gen)
-    one, apart = (_layer_call(model, fn, tokens, 0, 9) for fn in (paged.layers, _separate))
-    return [] if torch.equal(one, apart) else ["layer differs from its ops one by one"]
+    return [f"layer {i} differs from its ops one by one" for i in _first_of_each_kind(model)
+            if not torch.equal(*(_layer_call(model, i, fn, tokens, 0, 9) for fn in (paged.layers, _separate)))]
 
 
 def shipped(model, gen: torch.Generator) -> list[str]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import GREEDY, generate_with_logits
+from family_models import family_model
 
 from prefixcache import LLM, kernels
 from prefixcache.models import paged
@@ -242,15 +243,22 @@ def test_a_kernel_that_fails_the_startup_check_falls_back_to_torch(op, tiny_mode
     assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
 
 
-def test_a_plain_layer_in_one_op_gives_the_bits_of_its_ops_one_by_one(tiny_model):
-    """The forward's one op for its layers (paged.layers) against the same layers' ops one by one, on batched,
-    chunked and cached requests: the same tokens and logits. (A batch with a LoRA adapter runs its ops one by one:
-    test_lora.)"""
+@pytest.fixture(scope="module")
+def tiny_qwen_window(tmp_path_factory) -> str:
+    return family_model(str(tmp_path_factory.mktemp("tiny_qwen_window")), "qwen2-window", seed=4)
+
+
+@pytest.mark.parametrize("family", ["tiny_model", "tiny_qwen_window"])
+def test_a_plain_layer_in_one_op_gives_the_bits_of_its_ops_one_by_one(family, request):
+    """The forward's one op for its layers (paged.layers; with local layers between global ones, an op for each run
+    of one kind) against the same layers' ops one by one, on batched, chunked and cached requests: the same tokens
+    and logits. (A batch with a LoRA adapter runs its ops one by one: test_lora.)"""
     prompts = [list(range(4000, 4300)), list(range(4000, 4200)) + [5, 6], [7, 8, 9]]
     runs = []
     for one_op in (True, False):
-        llm = LLM(model=tiny_model, max_batch_tokens=96)
-        assert llm.engine.runner.model.one_op
+        llm = LLM(model=request.getfixturevalue(family), max_batch_tokens=96)
+        model = llm.engine.runner.model
+        assert model.one_op and model.paged and (family == "tiny_model") == (not model.local_layers)
         llm.engine.runner.model.one_op = one_op
         llm.generate(prompts[:1], GREEDY)
         runs.append(generate_with_logits(llm, prompts, GREEDY))
@@ -293,7 +301,7 @@ def _recording(monkeypatch) -> dict[tuple, set[int]]:
     return calls
 
 
-@pytest.mark.parametrize("family", ["tiny_model", "tiny_gemma"])
+@pytest.mark.parametrize("family", ["tiny_model", "tiny_gemma", "tiny_qwen_window"])
 def test_the_probe_checks_every_call_the_forward_makes_at_every_row_count(family, request, monkeypatch):
     """Whatever the forward calls on our kernels (found by running it, not listed here: a fused GEMM with its norm,
     activation or residual, a norm, RoPE with the KV store, attention with and without a window, the sampler's
@@ -305,10 +313,12 @@ def test_the_probe_checks_every_call_the_forward_makes_at_every_row_count(family
     forward = _recording(monkeypatch)
     llm.generate([list(range(5, 200)), [7] * 30, [9, 8, 7]], GREEDY)
     monkeypatch.undo()
+    windows = (0, 128) if family != "tiny_model" else (0,)  # global and local layers
     if family == "tiny_gemma":
-        assert {("attend", (("window", w),)) for w in (0, 128)} <= set(forward)  # global and local layers
-    else:  # plain layers: one op
-        assert ("layers", (("window", 0),)) in forward and not any(op == "attend" for op, _ in forward)
+        assert {("attend", (("window", w),)) for w in windows} <= set(forward)
+    else:  # plain layers: one op a run
+        assert {("layers", (("window", w),)) for w in windows} <= set(forward)
+        assert not any(op == "attend" for op, _ in forward)
     probed = _recording(monkeypatch)
     plan = _confirm(model, "kernel", 80, 4, "")
     assert plan.mode == "kernel", plan.note
