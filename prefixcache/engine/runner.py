@@ -58,8 +58,8 @@ class ModelRunner:
                       queries, [(self.adapters[a], torch.tensor(r)) for a, r in adapter_rows.items()])
         hidden = self.model.forward(batch, self.pool, between)
         head = hidden[rows]
-        logits = torch.cat([self.model.logits(head[i:i + self.head_rows])
-                            for i in range(0, len(rows), self.head_rows)]) if rows else None
+        chunks = [self.model.logits(head[i:i + self.head_rows]) for i in range(0, len(rows), self.head_rows)]
+        logits = (chunks[0] if len(chunks) == 1 else torch.cat(chunks)) if rows else None  # one: not copied again
         prompt = {sid: (p, hidden[a:b]) for sid, (p, a, b) in prompt_rows.items()}
         ends = [i for _, i in owners[1:]] + [len(rows)]
         return {sid: logits[i:end] for (sid, i), end in zip(owners, ends)}, prompt
