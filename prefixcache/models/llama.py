@@ -136,25 +136,22 @@ class Llama:
                                                    window=windows[local]) for local, part in set(kinds.values())}
             results = {kind: attention.empty_results(p, n + pad, c.num_heads, c.head_dim, x.dtype)
                        for kind, p in plans.items()}  # a plan's own: a tile one leaves out, the other may write
-        # plain layers (no QK-norm, no sandwich norms, SwiGLU) with no adapter in the batch, on our kernels: a run of
-        # layers under one plan in one op (each layer alone when `between` runs before each)
-        if self.paged and self.one_op and not batch.adapters:
-            for run in _runs(list(kinds.values()), alone=between is not None):
-                if between:
-                    with torch.inference_mode(False):
-                        between()
-                local, part = kind = kinds[run[0]]
-                x = paged.layers(x, [self.layers[i] for i in run], eps, *tables[local], pool.k, pool.v,
-                                 [pool_rows[i] for i in run], batch.slots[part], c.num_heads, plans[kind],
-                                 self.attn_scale, self.ops.isa)
-            return self._rows(self.ops.rms_norm, x, self.norm, eps)[:n]
         glu_linear = self.ops.swiglu_linear if c.activation == "silu" else self.ops.geglu_linear
         glu = self.ops.swiglu if c.activation == "silu" else self.ops.geglu
-        for i, L in enumerate(self.layers):
+        # plain layers (no QK-norm, no sandwich norms, SwiGLU) with no adapter in the batch, on our kernels: a run of
+        # layers under one plan in one op; else, or when `between` runs before each layer, a layer at a time
+        one_op = self.paged and self.one_op and not batch.adapters
+        for run in _runs(list(kinds.values()), alone=between is not None or not one_op):
             if between:
                 with torch.inference_mode(False):  # as outside any forward: it may create requests' own tensors
                     between()
+            i, L = run[0], self.layers[run[0]]
             kind = local, part = kinds[i]
+            if one_op:
+                x = paged.layers(x, [self.layers[j] for j in run], eps, *tables[local], pool.k, pool.v,
+                                 [pool_rows[j] for j in run], batch.slots[part], c.num_heads, plans[kind],
+                                 self.attn_scale, self.ops.isa)
+                continue
             cos, sin = tables[local]
             k_pool, v_pool, slots = pool.k[pool_rows[i]], pool.v[pool_rows[i]], batch.slots[part]
             qkv = self._rows(self.ops.norm_linear, x, L["ln1"], eps, L["qkv"], L["qkv_bias"])
