@@ -47,11 +47,13 @@ struct V16 {
   // 16 bytes, each unsigned or signed, as floats (exact)
   static V16 from_u8(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
   static V16 from_i8(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))}; }
-  // 16 bytes' low and high nibbles, less `minus`, as floats (exact): the bytes widened once, then split
-  static void nibbles(__m128i b, int minus, V16& lo, V16& hi) {
-    const __m512i w = _mm512_cvtepu8_epi32(b), m = _mm512_set1_epi32(minus);
-    lo = {_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(w, _mm512_set1_epi32(15)), m))};
-    hi = {_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(w, 4), m))};
+  // the low nibbles of 16 bytes at p less `minus`, and 16 times their high nibbles less `minus`, as floats (exact):
+  // the bytes widened once as they load, then masked (a mask, not a shift: on AVX2 a shift takes a port the fmas
+  // need, a mask any of three)
+  static void nibbles(const uint8_t* p, int minus, V16& lo, V16& hi16) {
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    lo = {_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(w, _mm512_set1_epi32(15)), _mm512_set1_epi32(minus)))};
+    hi16 = {_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(w, _mm512_set1_epi32(240)), _mm512_set1_epi32(16 * minus)))};
   }
   static __mmask16 mask(int n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
   static float hsum8(__m256 s8) {
@@ -136,13 +138,15 @@ struct V16 {
   static V16 from_i8(__m128i b) {
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
   }
-  static void nibbles(__m128i b, int minus, V16& lo, V16& hi) {
-    const __m256i w0 = _mm256_cvtepu8_epi32(b), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  static void nibbles(const uint8_t* p, int minus, V16& lo, V16& hi16) {
+    const __m256i w0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    const __m256i w1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
     const __m256i f = _mm256_set1_epi32(15), m = _mm256_set1_epi32(minus);
+    const __m256i f16 = _mm256_set1_epi32(240), m16 = _mm256_set1_epi32(16 * minus);
     lo = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w0, f), m)),
           _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w1, f), m))};
-    hi = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w0, 4), m)),
-          _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w1, 4), m))};
+    hi16 = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w0, f16), m16)),
+            _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w1, f16), m16))};
   }
   static __m256i mask8(int n) {  // lanes below n all ones
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -177,10 +181,10 @@ struct V8 {
   static __m128i half(__m128i b) { return H ? _mm_srli_si128(b, 8) : b; }
   static V8 from_u8(__m128i b) { return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half(b)))}; }
   static V8 from_i8(__m128i b) { return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half(b)))}; }
-  static void nibbles(__m128i b, int minus, V8& lo, V8& hi) {
-    const __m256i w = _mm256_cvtepu8_epi32(half(b)), m = _mm256_set1_epi32(minus);
-    lo = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, _mm256_set1_epi32(15)), m))};
-    hi = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w, 4), m))};
+  static void nibbles(const uint8_t* p, int minus, V8& lo, V8& hi16) {
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * H)));
+    lo = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, _mm256_set1_epi32(15)), _mm256_set1_epi32(minus)))};
+    hi16 = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, _mm256_set1_epi32(240)), _mm256_set1_epi32(16 * minus)))};
   }
 };
 template <int H> inline V8<H> operator+(V8<H> a, V8<H> b) { return {_mm256_add_ps(a.v, b.v)}; }
