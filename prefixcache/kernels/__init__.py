@@ -76,6 +76,17 @@ def find(cc: str) -> str:
     return next((p for p in (os.path.join(b, f"{LIBRARY}.so") for b in builds) if os.path.exists(p)), "")
 
 
+def supported() -> list[str]:
+    """The builds this process may run, best first: those this CPU can run, less those that $PREFIXCACHE_KERNELS
+    (a comma-separated list of ISAS, e.g. "avx2") leaves out, so that one machine can run as a CPU without
+    AVX-512 does. Empty when the library is not loaded."""
+    if loaded().problem:
+        return []
+    allowed = os.environ.get("PREFIXCACHE_KERNELS")
+    names = list(torch.ops.prefixcache.supported())
+    return [n for n in names if allowed is None or n in allowed.split(",")]
+
+
 def choose(want: str = "auto") -> Choice:
     """The build to run for `want` ("auto" or one of ISAS) on this CPU. Logs a warning when the torch path must run
     though kernels were asked for."""
@@ -83,13 +94,14 @@ def choose(want: str = "auto") -> Choice:
     lib = loaded()
     problem = lib.problem
     if not problem:
-        supported = torch.ops.prefixcache.supported()
-        isa = next((i for i in ISAS if want in ("auto", i) and i in supported), "")
+        builds = supported()
+        isa = next((i for i in ISAS if want in ("auto", i) and i in builds), "")
         if isa:
             with open(os.path.join(os.path.dirname(lib.path), "compiler")) as f:
                 return Choice(isa, f"{isa} (built from the current sources for torch {torch.__version__} by "
-                              f"{f.read().strip()}; this CPU has {', '.join(supported)})")
-        problem = f"this CPU lacks {want if want != 'auto' else 'AVX2 and FMA'}"
+                              f"{f.read().strip()}; builds this process may run: {', '.join(builds)})")
+        problem = f"this CPU lacks {want if want != 'auto' else 'AVX2 and FMA'}" + (
+            f" (PREFIXCACHE_KERNELS={os.environ['PREFIXCACHE_KERNELS']})" if "PREFIXCACHE_KERNELS" in os.environ else "")
     log.warning("prefixcache kernels: %s; running the torch path", problem)
     return Choice("", f"off: {problem}")
 

@@ -11,7 +11,7 @@ from prefixcache.models.rowwise import KernelOps
 
 AVAILABLE = kernels.choose("auto").isa
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"kernels: {kernels.choose('auto').status}")
-ISAS = [KernelOps(isa).isa for isa in kernels.ISAS if AVAILABLE and isa in torch.ops.prefixcache.supported()]
+ISAS = [KernelOps(isa).isa for isa in kernels.ISAS if isa in kernels.supported()]
 ops = torch.ops.prefixcache
 META = torch.device("meta")
 
