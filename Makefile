@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip --disable-pip-version-check -q
 
-.PHONY: setup serve test redis chromium bench reliability peers demo clean kernels models
+.PHONY: setup serve test test-long redis chromium bench reliability peers demo clean kernels models
 
 setup: .venv/.setup-done kernels
 
@@ -35,9 +35,15 @@ serve: setup
 demo: setup
 	$(PY) -m prefixcache.cli generate --chat "Write one sentence about caching."
 
+# every API, cache, isolation and exactness property; nothing whose verdict depends on the machine's speed
 test: setup models redis chromium
 	.venv/bin/ruff check prefixcache tests
-	$(PY) -m pytest -q -x
+	$(PY) -m pytest -q -x -m "not long" --durations=20
+
+# the tests that measure load or time on a live server (marked `long`): run by the benchmarks' issues and before a
+# release, not in CI
+test-long: setup models redis
+	$(PY) -m pytest -q -m long --durations=0
 
 # the KV tier and router tests start their own redis-server processes on free ports
 redis:

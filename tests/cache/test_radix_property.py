@@ -70,20 +70,25 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _sync_after_eviction(self):
         """What is left must include every locked path; the reference forgets what was evicted."""
-        live = {s.key: set() for s in SCOPES}
-        for node in self.cache.nodes.values():
-            path = []
-            cur = node
-            while cur.parent is not None:
-                path[:0] = cur.tokens
-                cur = cur.parent
-            live[node.scope].add(tuple(path))
+        live = {key: set(paths) for key, paths in self._nodes().items()}
         for scope, path, seq in self.locks:  # the blocks a running request shares with the cache (and so their
             # ancestors) survive; one it computed again, as the cached copy had lost its local parts, is its own
             for j, node in enumerate(seq.cache.nodes[:len(path) // BS]):
                 if node.block == seq.block_table[j]:
                     assert path[:(j + 1) * BS] in live[scope.key]
         self.paths = live
+
+    def _nodes(self) -> dict[bytes, dict[tuple[int, ...], object]]:
+        """Each scope's cached nodes by the token path from its root."""
+        nodes = {s.key: {} for s in SCOPES}
+        for node in self.cache.nodes.values():
+            path = []
+            cur = node
+            while cur.parent is not None:
+                path[:0] = cur.tokens
+                cur = cur.parent
+            nodes[node.scope][tuple(path)] = node
+        return nodes
 
     @rule(scope=st.sampled_from(SCOPES), tokens=tokens_st)
     def match_only(self, scope, tokens):
@@ -119,7 +124,15 @@ class HybridMachine(CacheMachine):
         self.cache = self.blocks.cache
 
     def _check(self, scope: CacheScope, tokens: list[int], m) -> None:
-        assert self.cache.restores(m) and len(m) <= self._expected(scope, tokens)
+        """No longer than the reference's match, restorable, and at least the longest whole-block prefix of it
+        whose window's local parts are all held."""
+        longest = self._expected(scope, tokens)
+        assert self.cache.restores(m) and len(m) <= longest
+        nodes = self._nodes()[scope.key]
+        usable = next((n for n in range(longest // BS * BS, 0, -BS)
+                       if all(self.pool.has_local(nodes[tuple(tokens[:(j + 1) * BS])].block)
+                              for j in range(self.pool.window_start(n), n // BS))), 0)
+        assert len(m) >= usable, (len(m), usable, longest)
 
     @invariant()
     def within_budget(self):

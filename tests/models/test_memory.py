@@ -11,7 +11,7 @@ import pytest
 from prefixcache import kernels
 
 MEASURE = """
-import gc, json, sys, time
+import gc, json, sys
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
 import torch, transformers
@@ -20,8 +20,9 @@ from prefixcache.models import gguf_file
 from prefixcache.models.catalog import model_path
 before = rss()
 llm = LLM(model=sys.argv[1], kv_cache_bytes=2**24)
-llm.engine.grammars.info.result()
-time.sleep(0.5)  # for the heap freed to be given back once xgrammar's tables are built (a callback of that future)
+# the grammar thread's next job: its first (xgrammar's tables) has finished, and so have that future's callbacks,
+# which give the heap it freed back (engine.py), for the thread runs a job's callbacks before it takes the next
+llm.engine.grammars.thread.submit("", int).result()
 gc.collect()
 model = llm.engine.runner.model
 held = sum(w.nbytes for w in model.gemm_weights().values())
