@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip --disable-pip-version-check -q
 
-.PHONY: setup serve test test-long redis chromium bench reliability peers demo clean kernels models
+.PHONY: setup serve test test-long logits-reference redis chromium bench reliability peers demo clean kernels models
 
 setup: .venv/.setup-done kernels
 
@@ -44,6 +44,11 @@ test: setup models redis chromium
 # release, not in CI
 test-long: setup models redis
 	$(PY) -m pytest -q -m long --durations=0
+
+# the shipped models' logits that every kernel build must reproduce (tests/logits_reference.py): written on a CPU
+# with AVX-512, and only when the numerics are meant to change
+logits-reference: setup models
+	PREFIXCACHE_KERNELS=avx512 $(PY) tests/logits_reference.py
 
 # the KV tier and router tests start their own redis-server processes on free ports
 redis:

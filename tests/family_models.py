@@ -15,7 +15,7 @@ FAMILIES = {  # each family's own features, at the sizes of its real configs' ra
     "llama-linear": dict(rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 4.0}),
     "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=False),  # q, k, v biases
     "qwen3": dict(rope_theta=1000000.0, head_dim=48),  # QK-norm, and heads wider than hidden / heads
-    "mistral": dict(rope_theta=1000000.0, sliding_window=None, head_dim=32),
+    "mistral": dict(rope_theta=1000000.0, sliding_window=128, head_dim=32),  # every layer reads a 128-key window
     # plain layers (our kernels run them in one op a run) whose local layers of a 128-key window alternate with a
     # global one: a run of each
     "qwen2-window": dict(rope_theta=1000000.0, use_sliding_window=True, sliding_window=128,
@@ -29,10 +29,11 @@ FAMILIES = {  # each family's own features, at the sizes of its real configs' ra
 }
 
 
-def family_model(folder: str, family: str, seed: int) -> str:
+def family_model(folder: str, family: str, seed: int, **overrides) -> str:
+    """`overrides`: config fields over the family's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    features = dict(FAMILIES[family])
+    features = {**FAMILIES[family], **overrides}
     config = AutoConfig.for_model(features.pop("model_type", family.split("-")[0]), **{**SHAPE, **features})
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -24,6 +24,10 @@ GGUF_NAMES = {
 }
 
 
+GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}  # Gemma 3's sandwich norms, as llama.cpp names them
+
+
 LEVEL_KINDS = {"IQ4_NL": 1e-3, "IQ4_XS": 1e-4}  # kinds gguf cannot quantize: their scales' spread (IQ4_XS's own
 # 6-bit scales multiply by up to 32)
 
@@ -34,10 +38,11 @@ def write_gguf(folder: str, path: str, kind_of, rope_factors: bool = False, arch
     written as llama.cpp does: a rope_freqs tensor. `arch` names another architecture than the model's."""
     with open(os.path.join(folder, "config.json")) as f:
         hf = json.load(f)
-    arch = arch or {"mistral": "llama"}.get(hf["model_type"], hf["model_type"])
+    arch = arch or {"mistral": "llama", "gemma3_text": "gemma3"}.get(hf["model_type"], hf["model_type"])
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
+    rope = rope.get("full_attention", rope)  # Gemma 3's global layers' (its local layers' base is llama.cpp's own)
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(hf["num_hidden_layers"])
     w.add_context_length(hf["max_position_embeddings"])
@@ -51,11 +56,15 @@ def write_gguf(folder: str, path: str, kind_of, rope_factors: bool = False, arch
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if hf.get("use_sliding_window", True) and hf.get("sliding_window"):
+        w.add_sliding_window(hf["sliding_window"])
     w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     _copy_tokenizer(w)
     for name, t in load_file(os.path.join(folder, "model.safetensors")).items():
-        g = _gguf_name(name)
+        g = _gguf_name(name, hf["model_type"])
         data = t.float().numpy()
+        if _offset_norm(g, hf["model_type"]):  # llama.cpp's converter stores Gemma's norms as 1 + w
+            data = data + 1
         if arch == "llama" and g.split(".")[-2] in ("attn_q", "attn_k"):
             data = _permute(data, heads if "attn_q" in g else kv_heads)
         kind = kind_of(g) if data.ndim == 2 else "F32"
@@ -93,11 +102,13 @@ def dequantized_folder(gguf_path: str, hf_folder: str, out: str) -> str:
     with open(os.path.join(hf_folder, "config.json")) as f:
         hf = json.load(f)
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
-    names = {_gguf_name(n): n for n in load_file(os.path.join(hf_folder, "model.safetensors"))}
+    names = {_gguf_name(n, hf["model_type"]): n for n in load_file(os.path.join(hf_folder, "model.safetensors"))}
     tensors = {}
     for t in reader.tensors:
         if t.name in names:
             data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            if _offset_norm(t.name, hf["model_type"]):
+                data = data - 1  # exact: the stored 1 + w lies in [0.5, 2]
             if hf["model_type"] in ("llama", "mistral") and t.name.split(".")[-2] in ("attn_q", "attn_k"):
                 data = _unpermute(data, heads if "attn_q" in t.name else kv_heads)
             tensors[names[t.name]] = torch.from_numpy(np.ascontiguousarray(data))
@@ -105,12 +116,17 @@ def dequantized_folder(gguf_path: str, hf_folder: str, out: str) -> str:
     return out
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, model_type: str) -> str:
+    names = {**GGUF_NAMES, **GEMMA_NAMES} if model_type == "gemma3_text" else GGUF_NAMES
     base, suffix = hf_name.rsplit(".", 1)
     if base.startswith("model.layers."):
         _, _, i, rest = base.split(".", 3)
-        return f"blk.{i}.{GGUF_NAMES[rest]}.{suffix}"
-    return f"{GGUF_NAMES[base]}.{suffix}"
+        return f"blk.{i}.{names[rest]}.{suffix}"
+    return f"{names[base]}.{suffix}"
+
+
+def _offset_norm(gguf_name: str, model_type: str) -> bool:
+    return model_type == "gemma3_text" and gguf_name.endswith("norm.weight")
 
 
 def _copy_tokenizer(w: gguf.GGUFWriter) -> None:

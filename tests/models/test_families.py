@@ -12,7 +12,7 @@ from gguf_fixtures import dequantized_folder, write_gguf
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from prefixcache import LLM, SamplingParams
+from prefixcache import LLM, SamplingParams, kernels
 from prefixcache.models import loader
 
 PROMPT = list(range(1000, 2100))  # 1,100 token ids: three attention tiles
@@ -97,26 +97,41 @@ def _kinds(name: str) -> str:
     return {"attn_v": "Q4_1", "attn_output": "IQ4_NL", "ffn_down": "IQ4_XS"}.get(part, "Q8_0")
 
 
-def test_a_gguf_of_each_family_gives_the_bits_of_its_dequantized_weights(family, tmp_path):
-    """The same model as a GGUF of mixed types (read as shipped) and as an HF folder of the weights the gguf package
-    dequantizes them to: the same greedy tokens and logits, bit for bit; and within the bound of HF's."""
-    name, folder = family
-    if name in ("mistral", "gemma3", "qwen2-window"):
-        # Mistral's files are Llama's; a Gemma 3 GGUF says only "every 6th layer is global" (the real one is
-        # tests/models/test_gemma.py's); a Qwen 2 GGUF holds no sliding layers
-        pytest.skip(f"{name}: its GGUF path is another test's")
-    if name == "llama":  # written with Llama 3.x's RoPE factors, as llama.cpp does
-        path = write_gguf(folder, str(tmp_path / "m.gguf"), _kinds, rope_factors=True)
-    else:
-        path = write_gguf(folder, str(tmp_path / "m.gguf"), _kinds)
-    reference = dequantized_folder(path, folder, str(tmp_path / "dequantized"))
+KINDS_WRITTEN = {"Q8_0", "Q4_1", "IQ4_NL", "IQ4_XS"}  # _kinds'
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf_shape(tmp_path_factory) -> str:
+    """A Gemma 3 as its GGUF can describe it: six layers, every sixth global (the file says only the window; the
+    pattern is llama.cpp's knowledge, families.py's gguf_window_pattern), the attention scaled by the head's width."""
+    return family_model(str(tmp_path_factory.mktemp("gemma3-gguf")), "gemma3", seed=6, num_hidden_layers=6,
+                        layer_types=None, query_pre_attn_scalar=64)
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "qwen2-window"])
+def test_a_gguf_of_each_family_gives_the_bits_of_its_dequantized_weights(name, request, tmp_path):
+    """The same model as a GGUF of mixed types (read as shipped) and as a GGUF of the fp32 weights the gguf package
+    dequantizes them to (the same metadata, Llama 3.x's RoPE factors included): the same greedy tokens and logits,
+    bit for bit; every weight read in the type the file ships it in (none fell back to fp32 panels at the startup
+    check); and within the bound of HF's on the dequantized weights. (A Qwen 2 GGUF cannot say which layers slide:
+    qwen2-window has no GGUF.)"""
+    folder = (request.getfixturevalue("gemma3_gguf_shape") if name == "gemma3"
+              else family_model(str(tmp_path / "hf"), name, seed=len(name)))
+    factors = name == "llama"  # written with Llama 3.x's RoPE factors, as llama.cpp does
+    path = write_gguf(folder, str(tmp_path / "m.gguf"), _kinds, rope_factors=factors)
+    dequantized = dequantized_folder(path, folder, str(tmp_path / "dequantized"))
+    reference = write_gguf(dequantized, str(tmp_path / "f32.gguf"), lambda _: "F32", rope_factors=factors)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    outs, logits = generate_with_logits(LLM(model=path, enable_prefix_cache=False), [PROMPT], params)
+    shipped = LLM(model=path, enable_prefix_cache=False)
+    outs, logits = generate_with_logits(shipped, [PROMPT], params)
     ref_outs, ref_logits = generate_with_logits(LLM(model=reference, enable_prefix_cache=False), [PROMPT], params)
-    if name != "llama":  # the factors round otherwise than HF's llama3 frequencies
-        assert torch.equal(logits[0], ref_logits[0])
-        assert outs[0].token_ids == ref_outs[0].token_ids
-    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    assert torch.equal(logits[0], ref_logits[0])
+    assert outs[0].token_ids == ref_outs[0].token_ids
+    if kernels.choose("auto").isa:  # the torch path holds fp32 weights
+        weights = shipped.engine.runner.model.gemm_weights().values()
+        assert {p.kind for w in weights for p in w.parts} == KINDS_WRITTEN
+        assert "as fp32" not in shipped.engine.exactness.kernels, shipped.engine.exactness.kernels
+    hf = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT + outs[0].token_ids[:-1]])).logits[0, len(PROMPT) - 1:]
     assert (logits[0] - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
