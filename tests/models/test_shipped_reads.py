@@ -12,12 +12,13 @@ TOPICS = ["caches", "rivers", "compilers", "bread", "glaciers", "chess", "bridge
 
 
 def _chats(llm: LLM, turns: int) -> list[list[int]]:
-    """Seventeen chats of 140 to 700 tokens, sharing a system prompt."""
+    """Seventeen chats sharing a system prompt: one of about 700 tokens (two attention tiles), the others of 140 to
+    330."""
     system = {"role": "system", "content": "You answer briefly and precisely. " * 8}
     chats = []
     for i, topic in enumerate(TOPICS):
         history = [system]
-        for t in range(turns + i // 2):
+        for t in range(turns + (8 if i == 0 else i % 4)):
             history += [{"role": "user", "content": f"Tell me fact {t} about {topic}, with its history."},
                         {"role": "assistant", "content": f"Fact {t} about {topic}: " + "it has a long story. " * 6}]
         chats.append(llm.encode_chat(history + [{"role": "user", "content": f"Now sum up {topic} in a line."}]))
