@@ -1,5 +1,6 @@
 """The schedule against latency objectives on a live server under open-loop load (Poisson arrivals, the bench's
-driver), on the shipped model: does the TTFT attainment hold as arrivals grow, while the TPOT attainment holds?
+driver), on the shipped model: against the same arrivals sized by max_batch_tokens alone, do more requests meet
+both objectives? (`make test-long`: how many meet them depends on the machine; which schedule meets more should not.)
 
 Two kinds of requests, one cold in three: warm ones (16 tokens past a cached 400-token prefix) and cold ones (a
 prompt of their own, long enough that its prefill alone takes about COLD times the TTFT objective: they can never
@@ -26,8 +27,7 @@ TTFT, TPOT = 0.4, 0.1  # seconds: the objectives
 COLD = 1.6  # a cold prompt's prefill, in TTFT objectives
 BUSY = 0.5  # the share of the engine's time in cold prefills at the higher rate; the lower rate is a third of it
 PREFIX, SUFFIX, OUT = 400, 16, 24  # tokens: the warm requests' cached prefix and their own part; every answer
-REQUESTS = 21  # a rate
-HOLDS = 0.8  # the TTFT attainment at the higher rate, at least this share of the lower rate's
+REQUESTS = 42  # a rate
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Point:
     rate: float
     ttft: float  # attainment: the share of the requests that met the objective
     tpot: float
+    both: float  # the share that met both: goodput's
 
 
 def ids(rng: random.Random, n: int) -> list[int]:
@@ -78,17 +79,15 @@ def measure(extra: tuple[str, ...], plan: Plan | None = None) -> tuple[list[Poin
                                             Load(rate=rate, seed=len(points), temperature=0.0)))
             assert all(r.ok and r.output_tokens == OUT for r in results), [r.error for r in results if not r.ok]
             g = goodput(results, wall, Objectives(ttft=TTFT, tpot=TPOT))
-            points.append(Point(rate, g["slo_attainment_ttft"], g["slo_attainment_tpot"]))
+            points.append(Point(rate, g["slo_attainment_ttft"], g["slo_attainment_tpot"], g["slo_attainment"]))
     return points, plan
 
 
 @pytest.mark.long
-def test_the_schedule_keeps_first_tokens_in_time_where_batch_sizing_does_not():
+def test_the_schedule_meets_both_objectives_for_more_requests_than_batch_sizing():
     """The same arrivals, scheduled by the objectives and sized by max_batch_tokens alone: at the higher rate the
-    schedule meets the TTFT objective for more requests (at least HOLDS of its lower rate's share), and keeps the
-    TPOT objective."""
+    schedule meets both objectives (goodput's count) for more requests, and at the lower rate for no fewer. (A cold
+    request, one in three, can meet neither schedule's TTFT: attainment is at most 2/3.)"""
     (low, high), plan = measure(())
-    (_, unpaced), _ = measure(("--no-slo-schedule",), plan)
-    assert high.tpot >= 0.85 and low.tpot >= 0.85, (low, high)
-    assert high.ttft > unpaced.ttft, (high, unpaced)
-    assert high.ttft >= HOLDS * low.ttft > 0, (low, high)
+    (unpaced_low, unpaced_high), _ = measure(("--no-slo-schedule",), plan)
+    assert high.both > unpaced_high.both and low.both >= unpaced_low.both, (low, high, unpaced_low, unpaced_high)
