@@ -195,7 +195,7 @@ def run_sweeps(args, size: Size, bench, folder: str, sections: list[str]) -> dic
     from prefixcache.bench import plots, sweeps
 
     if args.quick:
-        lengths, hits, rates, fractions = [256, 768], 1, [2.0, 8.0], [0.6]
+        lengths, hits, rates, fractions = [128, 384], 1, [2.0, 8.0], [0.6]
         rate_size = mem_size = Size.quick()
     else:
         lengths, hits, rates, fractions = [256, 1024, 4096], 2, [0.5, 1.0, 2.0], [0.4, 0.7, 1.5]

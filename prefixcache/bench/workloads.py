@@ -75,7 +75,7 @@ class Size:
 
     @classmethod
     def quick(cls) -> "Size":
-        return cls(requests=4, prefix_tokens=288, question_tokens=12, max_tokens=4, turns=2, tenants=2)
+        return cls(requests=4, prefix_tokens=160, question_tokens=12, max_tokens=4, turns=2, tenants=2)
 
 
 def text(rng: random.Random, n: int) -> str:

@@ -52,7 +52,7 @@ def test_quick_bench_writes_reports_and_plots(tmp_path):
     assert on["cached_tokens"] >= floor > 0
 
     lengths = [p["target_tokens"] for p in report["sweeps"]["prefix_length"]]
-    assert lengths == [256, 768]
+    assert lengths == [128, 384]
     for i, p in enumerate(report["sweeps"]["prefix_length"]):  # the hit reuses at least the system prompt's blocks
         system = encode_system(tokenizer, system_prompt(random.Random(1000 + i), p["target_tokens"]))
         assert _floor(len(system)) <= p["cached_tokens"] < p["prompt_tokens"]

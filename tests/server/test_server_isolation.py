@@ -89,15 +89,21 @@ def _observe_with_log(url: str, key: str) -> tuple[list, list[dict]]:
     return seen, handler.lines
 
 
+def _server(tmp_path_factory, model: str, name: str, **extra):
+    """Tenants a and b on the tiny model (what a channel tells does not depend on the weights; its prefills are
+    fast), with a pool of 16k tokens."""
+    return tenants_server(tmp_path_factory, name, model=model, kv_cache_bytes=2**23, **extra)
+
+
 @pytest.fixture(scope="module", params=["plain", "loaded"])
-def observations(tmp_path_factory, request):
+def observations(tmp_path_factory, request, tiny_model):
     if request.param == "plain":
-        clean = tenants_server(tmp_path_factory, "iso-clean")
-        primed = tenants_server(tmp_path_factory, "iso-primed", log_cross_scope_misses=True)
+        clean = _server(tmp_path_factory, tiny_model, "iso-clean")
+        primed = _server(tmp_path_factory, tiny_model, "iso-primed", log_cross_scope_misses=True)
     else:
         def loaded(name: str, **extra) -> object:
-            return tenants_server(tmp_path_factory, name, speculative="both", **extra,
-                                  disk_cache=str(tmp_path_factory.mktemp(f"{name}-l2")))
+            return _server(tmp_path_factory, tiny_model, name, speculative="both", **extra,
+                           disk_cache=str(tmp_path_factory.mktemp(f"{name}-l2")))
         clean, primed = loaded("iso-loaded-clean"), loaded("iso-loaded-primed", log_cross_scope_misses=True)
         pool = primed.server.engine.pool
         for i in range(pool.usable_blocks * pool.block_size // 900 + 1):  # b fills the whole pool
@@ -147,8 +153,8 @@ def _health(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict]
     return r.status_code, r.json()
 
 
-def test_health_tells_probes_and_tenants_only_its_status_and_an_admin_its_details(tmp_path_factory):
-    srv = tenants_server(tmp_path_factory, "iso-clean")
+def test_health_tells_probes_and_tenants_only_its_status_and_an_admin_its_details(tmp_path_factory, tiny_model):
+    srv = _server(tmp_path_factory, tiny_model, "iso-clean")
     for headers in (None, {"Authorization": "Bearer sk-a"}, {"x-api-key": "sk-b"}, {"Authorization": "Bearer sk-nope"}):
         assert _health(srv.url, headers) == (200, {"status": "ok"})
     for headers in ({"Authorization": "Bearer sk-admin"}, {"x-api-key": "sk-admin"}):
