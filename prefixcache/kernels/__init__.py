@@ -100,8 +100,9 @@ def choose(want: str = "auto") -> Choice:
             with open(os.path.join(os.path.dirname(lib.path), "compiler")) as f:
                 return Choice(isa, f"{isa} (built from the current sources for torch {torch.__version__} by "
                               f"{f.read().strip()}; builds this process may run: {', '.join(builds)})")
+        allowed = os.environ.get("PREFIXCACHE_KERNELS")
         problem = f"this CPU lacks {want if want != 'auto' else 'AVX2 and FMA'}" + (
-            f" (PREFIXCACHE_KERNELS={os.environ['PREFIXCACHE_KERNELS']})" if "PREFIXCACHE_KERNELS" in os.environ else "")
+            f" (PREFIXCACHE_KERNELS={allowed})" if allowed is not None else "")
     log.warning("prefixcache kernels: %s; running the torch path", problem)
     return Choice("", f"off: {problem}")
 
