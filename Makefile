@@ -1,5 +1,5 @@
 PY := .venv/bin/python
-PIP := .venv/bin/pip --disable-pip-version-check -q
+PIP := .venv/bin/pip --disable-pip-version-check -q --no-compile  # modules compile as they are first imported
 
 .PHONY: setup serve test test-long logits-reference redis chromium bench reliability peers demo clean kernels models
 
