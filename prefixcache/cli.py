@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intake-bytes-per-s", type=size, help="bytes of one tenant's request bodies read a second "
                    "(parsing them holds the GIL the engine needs); 0: no limit (default: "
                    f"{ServeConfig.intake_bytes_per_s})")
+    p.add_argument("--stream-stall-timeout", type=float, help="seconds a stream's output may wait unread by its "
+                   "client before the request is aborted and its memory freed (default: "
+                   f"{ServeConfig.stream_stall_timeout})")
     p.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish while new "
                    f"ones get 503 (default: {ServeConfig.grace_seconds})")
     p.add_argument("--metrics-port", type=int, help="a second listener that serves GET /metrics only, with no key, for "

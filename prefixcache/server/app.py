@@ -24,7 +24,7 @@ from prefixcache.server.worker import EngineWorker
 def create_app(cfg: ServeConfig) -> FastAPI:
     # a bad OIDC config fails here, before the model loads
     oidc = OidcVerifier(OidcConfig.read(cfg.auth_oidc), cfg.auth_oidc) if cfg.auth_oidc else None
-    server = Server(cfg, EngineWorker(lambda: load_engine(cfg)), oidc)
+    server = Server(cfg, EngineWorker(lambda: load_engine(cfg), cfg.stream_stall_timeout), oidc)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

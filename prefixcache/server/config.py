@@ -20,6 +20,8 @@ class ServeConfig:
     # the event loop, about 12 ms a MiB here: with a larger cap one tenant's stream of big bodies stalls every stream)
     intake_bytes_per_s: int = 4 << 20  # bytes of a tenant's request bodies read a second; 0: no limit
     # (server/intake.py: parsing a body holds the GIL, which every engine step needs back after each kernel)
+    stream_stall_timeout: float = 30.0  # seconds a stream's updates may wait unread (its client not reading)
+    # before the request is aborted and its memory freed; the engine never waits on a client
     grace_seconds: float = 30.0  # on SIGTERM: new requests get 503; running ones get this long to finish
     metrics_port: int | None = None  # a listener for GET /metrics alone, without a key (server/serve.py)
     allow_torch_path: bool = False  # serve where our kernels cannot run (not built, the CPU, the options, a failed

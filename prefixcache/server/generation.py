@@ -10,7 +10,8 @@ from typing import Callable
 from prefixcache.engine.sequence import RequestOutput, SamplingParams, TokenLogprob
 from prefixcache.server.errors import ApiError
 from prefixcache.server.metrics import Metrics
-from prefixcache.server.worker import EngineWorker, Handle, Report, Update
+from prefixcache.server.update import Report, Update
+from prefixcache.server.worker import EngineWorker, Handle
 
 log = logging.getLogger("prefixcache.request")
 
@@ -41,7 +42,7 @@ class Generation:
                  params: SamplingParams, where: Callable[[int], str] | None = None, log_misses: bool = False):
         self.worker, self.metrics, self.handle, self.api, self.tenant = worker, metrics, handle, api, tenant
         self.where, self.log_misses = where, log_misses  # log_misses: Config.log_cross_scope_misses
-        self.holdback = max((len(s) for s in params.stop), default=1) - 1  # a stop string may still be completing
+        self.request = None  # the HTTP request, whose disconnect aborts this one; set by start()
         self.pending: Update | None = None
         self.report: Report | None = None  # the latest counts, from the engine thread's updates
         self.samples = [Sample() for _ in range(params.num_samples)]
@@ -68,13 +69,18 @@ class Generation:
     async def start(self, request) -> None:
         """Wait until the first token (so the cached prefix is known). An engine refusal becomes an ApiError;
         a client that hangs up meanwhile (e.g. while queued) gets its request aborted."""
-        first = asyncio.ensure_future(self._next())
-        while not (await asyncio.wait({first}, timeout=DISCONNECT_POLL_SECONDS))[0]:
-            if await request.is_disconnected():
-                first.cancel()
+        self.request = request
+        self.pending = await self._unless_disconnected(self._next())
+
+    async def _unless_disconnected(self, work):
+        """Await `work`; if the client hangs up first, abort the request and raise."""
+        task = asyncio.ensure_future(work)
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS))[0]:
+            if await self.request.is_disconnected():
+                task.cancel()
                 self.close(CLIENT_CLOSED)
                 raise ApiError(CLIENT_CLOSED, "client closed the request")
-        self.pending = first.result()
+        return task.result()
 
     @property
     def prompt_tokens(self) -> int:
@@ -104,30 +110,28 @@ class Generation:
                                   f"tiers={tiers}; miss={r.miss_cause}{at}"}
 
     async def deltas(self):
-        """New output text of each sample, held back while it may be the start of a stop string or an incomplete
-        character, with the logprobs received since (the rest with the last delta)."""
+        """New output text of each sample (the worker holds back what may still become a stop string or an
+        incomplete character), with the logprobs received since (the rest with the last delta)."""
         try:
             while not all(self.outputs):
                 u = self.pending or await self._next()
                 self.pending = None
                 s = self.samples[u.index]
                 s.logprobs += u.logprobs
-                text = u.text
-                if u.output is None:
-                    text = text[:len(text) - self.holdback].rstrip("\ufffd")
                 s.output = u.output
-                new = text[len(s.sent):] if len(text) > len(s.sent) and text.startswith(s.sent) else ""
-                if new or (u.output and s.logprobs):
-                    s.sent += new
-                    yield Delta(u.index, new, s.logprobs)
+                if u.text or (u.output and s.logprobs):
+                    s.sent += u.text
+                    yield Delta(u.index, u.text, s.logprobs)
                     s.logprobs = []
         finally:
             self.close()
 
     async def texts(self) -> list[str]:
-        """Each sample's whole text."""
-        async for _ in self.deltas():
-            pass
+        """Each sample's whole text; a client that hangs up meanwhile gets its request aborted."""
+        async def read():
+            async for _ in self.deltas():
+                pass
+        await self._unless_disconnected(read())
         return [s.sent for s in self.samples]
 
     def close(self, status: int = 200) -> None:
@@ -171,7 +175,7 @@ class Generation:
             self.close(u.status)
             raise ApiError(u.status, u.error, retry_after=1 if u.status == 429 else None)
         s = self.samples[u.index]
-        s.token_times.append(u.time)
+        s.token_times += u.times
         self.report = s.report = u.report
         if u.prompt_logprobs is not None:
             self.prompt_logprobs = list(u.prompt_logprobs)

@@ -20,43 +20,11 @@ from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.scope import CacheScope
 from prefixcache.engine.engine import Engine, StepFailed
 from prefixcache.engine.grammar import Busy
-from prefixcache.engine.sequence import Fault, RequestOutput, SamplingParams, Sequence, TokenLogprob
+from prefixcache.engine.sequence import Fault, SamplingParams, Sequence
+from prefixcache.server.mailbox import Mailbox
+from prefixcache.server.update import Report, Update
 
 log = logging.getLogger("prefixcache.engine")
-
-
-@dataclass(frozen=True)
-class Report:
-    """A request's counts as of one update, copied on the engine thread (handlers never read a live Sequence)."""
-
-    prompt_tokens: int
-    output_tokens: int
-    cached_tokens: int
-    cache_write: dict[str, int]  # complete for breakpoints once the first token exists
-    scope_kind: str
-    miss_cause: str
-    cross_scope_miss: bool
-    accepted_draft_tokens: int  # output tokens from verified speculative drafts
-    cached_by_tier: dict[str, int]  # cached_tokens by the tier they came from: L1, L2, L3
-
-    @classmethod
-    def of(cls, seq: Sequence) -> "Report":
-        c = seq.cache
-        return cls(seq.num_prompt, len(seq.output_ids), c.num_cached or 0, dict(c.write), c.scope_kind, c.miss_cause,
-                   c.cross_scope_miss, seq.accepted_draft_tokens, c.by_tier())
-
-
-@dataclass
-class Update:
-    text: str  # the output so far
-    time: float  # time.monotonic() on the engine thread
-    report: Report | None = None  # None on an error
-    output: RequestOutput | None = None  # set on the last update
-    error: str | None = None  # the engine refused the request (ValueError) or failed
-    status: int = 400  # of the error: 400 the request's fault, 429 its tenant's work waiting, 500 the engine's
-    index: int = 0  # which of the request's samples this is about
-    logprobs: tuple[TokenLogprob, ...] = ()  # of the token this update added, when asked for
-    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # with a sample's first token, when asked for
 
 
 @dataclass
@@ -64,8 +32,9 @@ class Handle:
     """One request as the asyncio side sees it."""
 
     tenant: str
-    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+    updates: Mailbox = field(default_factory=Mailbox)
     seqs: list[Sequence] = field(default_factory=list)  # the request's samples; the engine thread's only
+    shown: dict[int, int] = field(default_factory=dict)  # characters of each sample's text sent; engine thread only
     done: bool = False
 
 
@@ -74,7 +43,8 @@ class EngineWorker:
     OpenMP threads serve the thread that used them first, and another thread's parallel ops then ran up to 5x
     slower (an engine step on a fresh thread: 92 ms when the main thread had built the engine, 70 ms otherwise)."""
 
-    def __init__(self, build: Callable[[], Engine]):
+    def __init__(self, build: Callable[[], Engine], stall_seconds: float = 30.0):
+        self.stall_seconds = stall_seconds  # a request whose updates wait unread this long is aborted
         self.engine: Engine | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # set by start(), before the first request
         self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -109,12 +79,12 @@ class EngineWorker:
             try:
                 handle.seqs = self.engine.add_request(prompt, params, scope, breakpoints, adapter=adapter).samples
             except ValueError as e:
-                self._deliver(handle, Update("", time.monotonic(), error=str(e), status=429 if isinstance(e, Busy)
+                self._deliver(handle, Update("", [time.monotonic()], error=str(e), status=429 if isinstance(e, Busy)
                                              else 400))
                 return
             except Exception:
                 log.exception("add_request failed")
-                self._deliver(handle, Update("", time.monotonic(), error="internal engine error", status=500))
+                self._deliver(handle, Update("", [time.monotonic()], error="internal engine error", status=500))
                 return
             for seq in handle.seqs:
                 self.live[seq.id] = handle
@@ -131,7 +101,9 @@ class EngineWorker:
         self.held[handle.tenant] -= 1
         if not self.held[handle.tenant]:
             del self.held[handle.tenant]
+        self._abort(handle)
 
+    def _abort(self, handle: Handle) -> None:
         def abort():
             for seq in handle.seqs:
                 if self.live.pop(seq.id, None):
@@ -212,7 +184,7 @@ class EngineWorker:
                 self.live.pop(s.id, None)
             fault = seq.fault or Fault("internal engine error", internal=True)
             status = 500 if fault.internal else 400
-            self._deliver(handle, Update("", time.monotonic(), error=fault.message, status=status))
+            self._deliver(handle, Update("", [time.monotonic()], error=fault.message, status=status))
 
     def _publish(self, touched: list[Sequence]) -> None:
         """Hand the sequences' new tokens (and, when done, their outputs) to their handlers; a request that failed
@@ -226,7 +198,7 @@ class EngineWorker:
                 self._fail([seq])
                 continue
             try:
-                update = self._update(seq, now)
+                update = self._update(handle, seq, now)
             except Exception:
                 log.exception("a request's update failed; it fails alone")
                 self._fail([seq])
@@ -235,14 +207,36 @@ class EngineWorker:
                 del self.live[seq.id]
             self._deliver(handle, update)
 
-    def _update(self, seq: Sequence, now: float) -> Update:
+    def _update(self, handle: Handle, seq: Sequence, now: float) -> Update:
         out = seq.output() if seq.finish_reason is not None else None
         # one token per step: the last logprob is this update's
         first = seq.prompt_logprobs is not None and len(seq.output_ids) == 1
-        return Update(seq.text, now, Report.of(seq), out, index=seq.index,
-                      logprobs=tuple(seq.logprobs[-1:]) if seq.logprobs else (),
+        return Update(self._new_text(handle, seq, out is None), [now], Report.of(seq), out, index=seq.index,
+                      logprobs=seq.logprobs[-1:] if seq.logprobs else [],
                       prompt_logprobs=tuple(seq.prompt_logprobs) if first else None)
 
+    @staticmethod
+    def _new_text(handle: Handle, seq: Sequence, running: bool) -> str:
+        """The sample's text not yet sent; while it runs, less what may still become a stop string (cut from
+        the output) or an incomplete character."""
+        shown = handle.shown.get(seq.index, 0)
+        end = len(seq.text) - (max(map(len, seq.params.stop), default=1) - 1 if running else 0)
+        new = seq.text[shown:end].rstrip("\ufffd") if running else seq.text[shown:]
+        handle.shown[seq.index] = shown + len(new)
+        return new
+
     def _deliver(self, handle: Handle, update: Update) -> None:
-        self.loop.call_soon_threadsafe(handle.updates.put_nowait, update)
+        self.loop.call_soon_threadsafe(self._receive, handle, update)
+
+    # ---- asyncio side, from the engine thread --------------------------------------------------------------
+    def _receive(self, handle: Handle, update: Update) -> None:
+        """Hand an update to the request's mailbox; a request whose handler left its updates unread for
+        stall_seconds (a stream its client does not read) is aborted, and its handler finds a 408."""
+        if handle.done:
+            return
+        if handle.updates.stalled(time.monotonic(), self.stall_seconds):
+            self._abort(handle)
+            update = Update("", [time.monotonic()], error=f"the client read nothing of this stream for "
+                            f"{self.stall_seconds:g} s: the request was aborted", status=408)
+        handle.updates.put(update)
 
