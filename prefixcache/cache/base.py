@@ -23,7 +23,8 @@ class Cache(Protocol):
         """Whether a match can still be served: the local parts its window reads are here (cache/pool.py)."""
 
     def insert(self, parent: Node | None, key: bytes, scope: bytes, tokens: tuple[int, ...], block: int,
-               ttl: float | None, priority: int, owner: Hashable = None, adapter: str = "") -> tuple[Node | None, bool]:
+               ttl: float | None, priority: int, owner: Hashable = None, adapter: str = "",
+               output: bool = False) -> tuple[Node | None, bool]:
         """Publish a computed block under `parent`: (its node, whether created); no node on a hash collision."""
 
     def get(self, key: bytes) -> Node | None:

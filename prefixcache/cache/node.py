@@ -14,6 +14,7 @@ class Node:
     tokens: tuple[int, ...]
     block: int
     local: bool = False  # the cache holds the block's local part too (cache/pool.py)
+    output: bool = False  # holds output tokens: KV events never carry its tokens (cache/zmq_events.py)
     content: bytes = b""  # the key this block would have with no scope at all (for "scope differs" answers)
     children: dict[bytes, "Node"] = field(default_factory=dict)
     last_access: float = 0.0

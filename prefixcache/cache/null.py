@@ -24,7 +24,8 @@ class NullCache:
         return True
 
     def insert(self, parent: Node | None, key: bytes, scope: bytes, tokens: tuple[int, ...], block: int,
-               ttl: float | None, priority: int, owner: Hashable = None, adapter: str = "") -> tuple[None, bool]:
+               ttl: float | None, priority: int, owner: Hashable = None, adapter: str = "",
+               output: bool = False) -> tuple[None, bool]:
         return None, False
 
     def get(self, key: bytes) -> None:

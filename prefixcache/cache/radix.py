@@ -97,10 +97,11 @@ class PrefixCache:
         return all(self.pool.has_local(n.block) for n in used[self.pool.window_start(len(m)):])
 
     def insert(self, parent: Node | None, key: bytes, scope: bytes, tokens: tuple[int, ...], block: int,
-               ttl: float | None, priority: int, owner: Hashable = None, adapter: str = "") -> tuple[Node | None, bool]:
+               ttl: float | None, priority: int, owner: Hashable = None, adapter: str = "",
+               output: bool = False) -> tuple[Node | None, bool]:
         """Publish a computed block (the cache takes its own reference). Returns (node, created); node is None
         on a hash collision, which is never resolved in favour of either side. `owner` owns the scope's entries,
-        computed with `adapter`."""
+        computed with `adapter`; `output`: the block holds output tokens (an answer, not only what a client sent)."""
         node = self.nodes.get(key)
         if node is not None and (node.tokens != tokens or node.parent is not parent and parent is not None):
             return None, False
@@ -113,7 +114,7 @@ class PrefixCache:
         if parent is None:
             parent = self.roots.setdefault(scope, Node(scope, None, scope, (), 0))
         assert parent.alive, "insert under an evicted node"
-        node = Node(key, parent, scope, tokens, block, ttl=ttl, priority=priority,
+        node = Node(key, parent, scope, tokens, block, ttl=ttl, priority=priority, output=output,
                     content=block_key(parent.content, b"", np.asarray(tokens, dtype=np.int32).tobytes()))
         self.misses.stored(key, node.content)
         entry = self.scopes.setdefault(scope, [owner, 0, adapter, 0])

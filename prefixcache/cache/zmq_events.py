@@ -12,9 +12,10 @@ request names: such routers then never predict, for one tenant's request, a hit 
 would refuse it, and the routing choice would tell of them). Only public blocks (the declared shared scope, or the
 one tenant of a server without keys) route by their tokens, a LoRA adapter's with its `lora_id` and `lora_name` as
 vLLM sends them (its place in --lora-modules from 1, and its name), so that a router takes an adapter's blocks only
-for requests that name it; and only with `include_token_ids` true: by default
-`token_ids` is an empty list (vLLM's schema decodes it; routers that hash tokens cannot index such blocks), so the
-bus carries no tenant's prompts unless the operator opts in for a router that needs them. `event_encoding` "array"
+for requests that name it. Token ids ride only with `include_token_ids` true, and then only a public block's
+that holds no output token: by default `token_ids` is an empty list (vLLM's schema decodes it; routers that hash
+tokens cannot index such blocks), so the bus carries no tenant's prompts unless the operator opts in for a router
+that needs them, and never a private prompt (no router could use it) or an answer. `event_encoding` "array"
 sends events as older vLLM did, for consumers built on it: positional arrays [tag, fields...], and block
 hashes as the unsigned 64-bit integer of the key's first 8 bytes (a router's guess may then collide, which costs a
 routing choice, never KV: the engine matches full keys and tokens).
@@ -139,9 +140,9 @@ class ZmqEvents:
     # ---- cache listener (engine thread) ------------------------------------------------------------------
     def stored(self, node: Node) -> None:
         parent = node.parent.key if node.parent.tokens else None  # a first block's parent is its scope's root
-        tokens = list(node.tokens) if self.cfg.include_token_ids else []
-        lora_id, lora_name = (self.lora(node) or (None, None)) if self.owner(node) in PUBLIC_OWNERS else \
-            (None, f"scope:{node.scope.hex()}")
+        public = self.owner(node) in PUBLIC_OWNERS
+        tokens = list(node.tokens) if self.cfg.include_token_ids and public and not node.output else []
+        lora_id, lora_name = (self.lora(node) or (None, None)) if public else (None, f"scope:{node.scope.hex()}")
         self._add(BlockStored([node.key], parent, tokens, self.block_size, lora_id, MEDIUM, lora_name,
                               [(node.scope.hex(),)]))
 

@@ -189,7 +189,7 @@ class BlockManager:
             scope = self.scope_at(seq, end)
             node, created = self.cache.insert(c.nodes[-1] if j else None, c.keys[j], scope.key,
                                               tuple(seq.tokens[j * self.bs:end]), seq.block_table[j], ttl,
-                                              seq.priority, scope.owner, scope.adapter)
+                                              seq.priority, scope.owner, scope.adapter, output=end > seq.num_prompt)
             if node is None:
                 return
             if node.block != seq.block_table[j] and (j not in seq.local or self.pool.has_local(node.block)):

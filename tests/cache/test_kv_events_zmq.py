@@ -120,13 +120,14 @@ def test_the_cache_in_vllms_kv_events_live_and_replayed(tiny_model, tmp_path):
         globex = CacheScope(tenant="globex")
         llm.generate([PROMPT], ONE, scope=globex)
         theirs = replayed(tmp_path, sent, BlockStored, 2)
-        assert [e.token_ids for e in theirs] == [e.token_ids for e in stored]
+        assert [e.token_ids for e in theirs] == [[], []]  # a private block's tokens never ride the bus
         assert not {e.block_hashes[0] for e in theirs} & set(nodes) and theirs[0].extra_keys != stored[0].extra_keys
         tag = theirs[0].extra_keys[0][0]
         assert tag != scope and all(e.lora_name == f"scope:{tag}" for e in theirs)
         sent = llm.engine.events.sent  # the declared shared scope is public again
         llm.generate([PROMPT[::-1]], ONE, scope=globex.shared)
-        assert all(e.lora_name is None for e in replayed(tmp_path, sent, BlockStored, 2))
+        shared = replayed(tmp_path, sent, BlockStored, 2)
+        assert all(e.lora_name is None for e in shared) and shared[0].token_ids == PROMPT[::-1][:16]
 
         sent = llm.engine.events.sent
         freed = llm.engine.cache.clear()
@@ -169,6 +170,18 @@ def test_token_ids_stay_off_the_bus_unless_asked_for(tiny_model, tmp_path, setti
         llm.generate([PROMPT], ONE, scope=CacheScope(tenant="globex"))
         stored = replayed(tmp_path, 0, BlockStored, 2)
         assert len(stored) == 2 and all(e.token_ids == [] and e.block_size == 16 for e in stored)
+    finally:
+        llm.engine.close()
+
+
+def test_opted_in_token_ids_are_public_prompts_alone(tiny_model, tmp_path):
+    """With include_token_ids, a public block the client sent carries its tokens; a block holding output tokens
+    (an answer) carries none (a private block's carry none either: test_the_cache_in_vllms_kv_events...)."""
+    llm = LLM(model=tiny_model, kv_events_config=config(tmp_path, include_token_ids=True))
+    try:
+        llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True))
+        stored = replayed(tmp_path, 0, BlockStored, 4)  # 64 tokens computed: two full blocks of prompt, two with output
+        assert [e.token_ids for e in stored] == [PROMPT[:16], PROMPT[16:32], [], []]
     finally:
         llm.engine.close()
 
