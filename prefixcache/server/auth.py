@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT, validate_labels
 from prefixcache.server.errors import ApiError
-from prefixcache.server.oidc import OidcVerifier
+from prefixcache.server.oidc import TENANT_PREFIX, OidcVerifier
 from prefixcache.server.principal import LOCAL, Principal
 
 log = logging.getLogger("prefixcache.auth")
@@ -78,6 +78,9 @@ def _read(path: str) -> list[tuple[bytes, Principal]]:
     if reserved:
         raise ValueError(f"{path}: the tenant names {LOCAL_TENANT!r} and {SHARED_TENANT!r} are reserved "
                          f"(the keyless server's tenant and the shared scope); rename {sorted(reserved)[0]!r}")
+    if oidc := sorted(p.tenant for _, p in entries if p.tenant.startswith(TENANT_PREFIX)):
+        raise ValueError(f"{path}: tenant names starting {TENANT_PREFIX!r} are identity tokens' (server/oidc.py); "
+                         f"rename {oidc[0]!r}")
     shares = _shares(entries)
     if not all(0 < s <= 1 for s in shares.values()) or sum(shares.values()) > 1:
         raise ValueError(f"{path}: cache_share must be in (0, 1] and add up to at most 1 over tenants")

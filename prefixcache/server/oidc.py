@@ -14,8 +14,11 @@ A bearer JWT is verified with PyJWT against the JWKS: signature (asymmetric algo
 HMAC keyed by a public key), issuer, audience, expiry and not-before (with `leeway_seconds`, default 30). Keys are
 looked up by `kid`; a URL's key set is cached (`jwks_cache_seconds`) and fetched again for a `kid` it does not hold
 (the provider rotated its keys; at most every `jwks_refetch_seconds`), a file's is read again when it changes.
-The tenant is the tenant claim, the labels the label claims' values (through `labels` when given); they form the
-cache scope exactly as a keys file's do. A token whose labels a scope cannot hold (more than MAX_LABELS, one longer
+The tenant is the tenant claim in a namespace of its own, "oidc:<claim>" (so a token whose claim names a keys
+file's tenant is another tenant: it never reads or purges that tenant's entries), the labels the label claims' values
+(through `labels` when given); they form the cache scope exactly as a keys file's do. `admin_label` needs `labels`
+and must be one of its values: without the mapping it would match raw claim values, and a user who may name a group
+"admin" would be admin. A token whose labels a scope cannot hold (more than MAX_LABELS, one longer
 than MAX_LABEL_LENGTH or not printable: cache/scope.py) is refused with a 401 saying so, never served with some of
 its labels dropped or cut: a smaller label set is another scope, one that other users' entries live in, and whose
 purge is theirs. A provider that sends many groups needs `labels` to map the ones that matter. API keys work beside
@@ -35,6 +38,7 @@ from prefixcache.cache.scope import LOCAL_TENANT, SHARED_TENANT, validate_labels
 from prefixcache.server.errors import ApiError
 from prefixcache.server.principal import Principal
 
+TENANT_PREFIX = "oidc:"  # identity tokens' tenants; keys files may not name one so (server/auth.py)
 ASYMMETRIC = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # where a plain-http JWKS URL is allowed (tests, a local proxy)
 
@@ -98,6 +102,8 @@ class OidcConfig:
         for key in ("leeway_seconds", "jwks_cache_seconds", "jwks_refetch_seconds"):
             if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], (int, float)) or raw[key] < 0):
                 raise bad(key, "a number of seconds, 0 or more")
+        if "admin_label" in raw and raw["admin_label"] not in (raw.get("labels") or {}).values():
+            raise bad("admin_label", "one of the values of `labels` (claim values map to it; never a raw claim value)")
         cfg = cls(**raw)
         if not cfg.algorithms or set(cfg.algorithms) - set(ASYMMETRIC):
             raise bad("algorithms", f"some of {', '.join(ASYMMETRIC)} (asymmetric only)")
@@ -149,7 +155,7 @@ class OidcVerifier:
         except ValueError as e:
             raise refused(f"the token's labels cannot form a cache scope: {e}") from None
         limits = self.cfg.limits.get(tenant, self.cfg.limits.get("*", {}))
-        return Principal(tenant, labels, admin=self.cfg.admin_label in labels, rpm=limits.get("rpm"),
+        return Principal(TENANT_PREFIX + tenant, labels, admin=self.cfg.admin_label in labels, rpm=limits.get("rpm"),
                          tpm=limits.get("tpm"))
 
     def _labels(self, claims: dict) -> set[str]:

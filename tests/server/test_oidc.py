@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from server_fixtures import _start
 
 from prefixcache.config import Config
+from prefixcache.server import auth
 from prefixcache.server.config import ServeConfig
 from prefixcache.server.oidc import OidcConfig, OidcVerifier
 
@@ -114,6 +115,26 @@ def test_one_tenants_users_share_only_what_their_groups_allow(srv):
     assert hit >= first["prompt_tokens"] - 16
 
 
+def test_a_token_naming_a_keys_file_tenant_is_another_tenant(srv):
+    """The keys file's tenant globex and a token whose tenant claim is "globex": their entries are apart, and the
+    token's purge leaves the keys file tenant's entries."""
+    prompt = "Globex board minutes: " + " ".join(f"item {i} resolved" for i in range(60))
+    claims = token(tid="globex", groups=[])
+    first = complete(srv, "sk-globex", prompt).json()["usage"]
+    assert complete(srv, claims, prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    purge = httpx.delete(f"{srv.url}/v1/cache", headers={"Authorization": f"Bearer {claims}"})
+    assert purge.status_code == 200, purge.text
+    hit = complete(srv, "sk-globex", prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert hit >= first["prompt_tokens"] - 16
+
+
+def test_a_keys_file_may_not_name_an_identity_tokens_tenant(tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-x": {"tenant": "oidc:acme"}}))
+    with pytest.raises(ValueError, match="tenant names starting 'oidc:' are identity tokens'"):
+        auth.Keys(str(keys))
+
+
 class Keys(BaseHTTPRequestHandler):
     jwks: dict = {}
     fetches = 0
@@ -148,13 +169,13 @@ def test_a_rotated_key_set_is_fetched_again(tmp_path):
         cfg.write_text(json.dumps({"issuer": ISSUER, "audience": AUDIENCE,
                                    "jwks": f"http://127.0.0.1:{http.server_port}/keys", "jwks_refetch_seconds": 0}))
         verifier = OidcVerifier(OidcConfig.read(str(cfg)), str(cfg))
-        assert verifier.principal(token()).tenant == "acme" and verifier.principal(token()).labels == (
+        assert verifier.principal(token()).tenant == "oidc:acme" and verifier.principal(token()).labels == (
             "grp-finance-0001",)  # no labels mapping: the claim values as they are
         fetched = Keys.fetches
         verifier.principal(token())
         assert Keys.fetches == fetched  # cached
         Keys.jwks = {"keys": [jwk(RSA_KEY, "rsa-1", "RS256"), jwk(OTHER_KEY, "rsa-2", "RS256")]}  # rotation
-        assert verifier.principal(token(OTHER_KEY, "rsa-2")).tenant == "acme"
+        assert verifier.principal(token(OTHER_KEY, "rsa-2")).tenant == "oidc:acme"
         assert Keys.fetches == fetched + 1
     finally:
         http.shutdown()
@@ -168,6 +189,8 @@ def test_a_rotated_key_set_is_fetched_again(tmp_path):
     ({"labels": ["finance"]}, "labels must be"), ({"tenant_claim": ""}, "tenant_claim must be"),
     ({"leeway_seconds": -1}, "leeway_seconds must be"), ({"limits": {"a": {"rpm": 0}}}, "limits must be"),
     ({"limits": {"a": {"rpd": 5}}}, "limits must be"), ({"group_claim": "groups"}, "unknown key 'group_claim'"),
+    ({"admin_label": "admin"}, "admin_label must be one of the values of `labels`"),
+    ({"admin_label": "admin", "labels": {"grp-1": "finance"}}, "admin_label must be one of the values"),
 ])
 def test_a_bad_config_names_its_key(tmp_path, change, key):
     jwks = tmp_path / "jwks.json"
