@@ -1,4 +1,5 @@
 """Routes shared by both APIs: health, models, version, metrics, the operator's usage page and cache purges."""
+import asyncio
 import importlib.metadata
 import os
 
@@ -8,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from prefixcache.server.errors import ApiError
 from prefixcache.server.middleware import METRICS_PORT
-from prefixcache.server.state import current
+from prefixcache.server.state import current, principal
 
 DASHBOARD = os.path.join(os.path.dirname(__file__), "dashboard.html")  # GET /dashboard
 
@@ -75,11 +76,18 @@ async def dashboard():
 
 @router.delete("/v1/cache")
 async def purge(request: Request):
-    """An admin key clears the whole cache; any other key purges its own tenant and labels (every salt)."""
+    """An admin key clears the whole cache; any other key purges its own tenant and labels (every salt). A purge
+    is charged to the tenant's rate limit (middleware.CHARGED), and purges of one owner that arrive while one of its
+    purges runs share that one: a flood of them walks the cache once."""
     server = current(request)
-    p = server.auth(request)
+    p = principal(request)
+    owner = None if p.admin else (p.tenant, p.labels)
+    running = server.purges.get(owner)
+    if running is None:
+        work = (lambda e: e.cache.clear()) if p.admin else (lambda e: e.cache.purge_tenant(p.tenant, p.labels))
+        running = server.purges[owner] = asyncio.ensure_future(server.worker.call(work))
+        running.add_done_callback(lambda _: server.purges.pop(owner, None))
+    freed = await asyncio.shield(running)
     if p.admin:
-        freed = await server.worker.call(lambda e: e.cache.clear())
         return JSONResponse({"purged_blocks": freed, "scope": "all"})
-    freed = await server.worker.call(lambda e: e.cache.purge_tenant(p.tenant, p.labels))
     return JSONResponse({"purged_blocks": freed, "scope": "tenant", "tenant": p.tenant})

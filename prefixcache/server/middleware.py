@@ -8,7 +8,8 @@ from prefixcache.server.errors import ApiError, api_of
 
 METRICS_PORT = "prefixcache.metrics_port"  # in a request's scope: it came in on --metrics-port
 CHARGED = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/tokenize", "/detokenize",
-           "/v1/completions/render", "/v1/chat/completions/render"}  # the routes that take a Depends(principal)
+           "/v1/completions/render", "/v1/chat/completions/render", "/v1/cache"}  # the routes that take a principal
+# (a purge walks the cache on the engine thread and each tier: it counts against the rate limit as a request does)
 METERED = CHARGED | {"/v1/cache/keys"}  # the routes whose bodies are read at the tenant's intake rate
 GATED = {"/v1/chat/completions", "/v1/completions", "/v1/messages"}  # the routes that submit to the engine
 REFUSAL_SECONDS = 1.0  # how long a 429 (529) refused from the headers takes: no sooner than its Retry-After allows

@@ -79,6 +79,7 @@ class Server:
         self.preparer = FairThread("prepare", self.capacity, duty=PREPARE_DUTY, workers=2)
         self.intake = Intake(cfg.intake_bytes_per_s, cfg.max_body_bytes, self.capacity)
         self.draining = False  # after SIGTERM: running requests finish, new ones get 503 (server/serve.py)
+        self.purges: dict = {}  # owner (None: all) -> its purge under way, which later purges of it share
 
     def reload_keys(self) -> None:
         """SIGHUP: read the keys file again, with the tenants' cache shares."""

@@ -17,7 +17,8 @@ from prefixcache.server import caps
 from prefixcache.server.config import ServeConfig
 
 KEYS = {"sk-a": {"tenant": "a"}, "sk-b": {"tenant": "b"}, "sk-m1": {"tenant": "m", "rpm": 2},
-        "sk-m2": {"tenant": "m", "rpm": 5}, "sk-r": {"tenant": "r", "rpm": 2}, "sk-h": {"tenant": "h", "rpm": 1}}
+        "sk-m2": {"tenant": "m", "rpm": 5}, "sk-r": {"tenant": "r", "rpm": 2}, "sk-h": {"tenant": "h", "rpm": 1},
+        "sk-p": {"tenant": "p", "rpm": 3}}
 A, B = {"Authorization": "Bearer sk-a"}, {"Authorization": "Bearer sk-b"}
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 PROMPT = {"model": "default", "prompt": "hi", "max_tokens": 4}
@@ -145,6 +146,14 @@ def test_rate_limits_are_the_tenants_and_refused_requests_count(srv):
     r = {"Authorization": "Bearer sk-r"}
     assert [post(srv, "/v1/chat/completions", {**CHAT, "n": 0}, r).status_code for _ in range(2)] == [400, 400]
     assert post(srv, "/v1/chat/completions", CHAT, r).status_code == 429
+
+
+def test_purges_count_against_the_rate_limit(srv):
+    """Each purge walks the cache on the engine thread and every tier: tenant p (3 a minute) gets its fourth
+    refused (200 purges of a tenant with rpm 30 were all served)."""
+    codes = [httpx.delete(f"{srv.url}/v1/cache", headers={"Authorization": "Bearer sk-p"}, timeout=30).status_code
+             for _ in range(4)]
+    assert codes == [200, 200, 200, 429]
 
 
 def test_a_tenant_over_its_limit_gets_the_429_before_its_body_is_read(srv):
