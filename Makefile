@@ -35,10 +35,12 @@ serve: setup
 demo: setup
 	$(PY) -m prefixcache.cli generate --chat "Write one sentence about caching."
 
-# every API, cache, isolation and exactness property; nothing whose verdict depends on the machine's speed
+# every API, cache, isolation and exactness property; nothing whose verdict depends on the machine's speed. Test
+# files run side by side, one worker a core (pytest-xdist), each worker's torch on one thread: two workers of two
+# threads each on 2 cores spent much of their time in OpenMP's waits (2 cores: 945 s serial, 417 s so)
 test: setup models redis chromium
 	.venv/bin/ruff check prefixcache tests
-	$(PY) -m pytest -q -x -m "not long" --durations=20
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -m "not long" -n auto --dist loadfile --durations=20
 
 # the tests that measure load or time on a live server (marked `long`): run by the benchmarks' issues and before a
 # release, not in CI
