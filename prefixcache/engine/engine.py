@@ -108,10 +108,12 @@ class Engine:
         model = Llama(weights, config.attn_tile, ops, self.max_model_len)
         self.exactness = model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs,
                                              status)
-        # cached KV is reused only by the same weights under the same arithmetic (a disk or Redis tier may hold KV
-        # of other replicas: on the torch path, or on kernels built from other sources, its bits are not ours)
+        # cached KV is reused only by the same weights under the same arithmetic, stored in the same dtype (a disk or
+        # Redis tier may hold KV of other replicas: on the torch path, on kernels built from other sources, or kept
+        # in bfloat16, its bits are not ours; with the same keys, replicas would take each other's records as bad)
         arithmetic = model.ops.arithmetic(self.exactness.cpu)
-        self.fingerprint = xxhash.xxh3_128_hexdigest(f"{weights.fingerprint} {arithmetic}".encode())
+        self.fingerprint = xxhash.xxh3_128_hexdigest(
+            f"{weights.fingerprint} {arithmetic} kv:{config.kv_storage_dtype}".encode())
         # after the probe: an adapter's weights are held as the ops that passed it hold them
         self.adapters = {name: lora.load(name, folder, c, model.ops.prepare, model.norm.dtype)
                          for name, folder in config.adapters.items()}

@@ -360,3 +360,18 @@ def test_fingerprint_covers_the_arithmetic(tiny_model):
     assert on.exactness.kernels and not on.exactness.kernels.startswith("off"), on.exactness.kernels
     assert on.engine.fingerprint != off.engine.fingerprint
     assert LLM(model=tiny_model, kernels="off").engine.fingerprint == off.engine.fingerprint
+
+
+
+def test_fingerprint_covers_the_kv_dtype(tiny_model):
+    """KV kept in bfloat16 is another cache than KV kept in fp32, on the same weights and arithmetic (replicas that
+    differ in it share a tier, and took each other's records for bad ones)."""
+    try:
+        bf16 = LLM(model=tiny_model, dtype="bfloat16")
+    except ValueError as e:  # bfloat16 activations need avx512_bf16 or AMX (models/cpu.py)
+        pytest.skip(str(e))
+    fp32_kv = LLM(model=tiny_model, dtype="bfloat16", kv_dtype="float32")
+    assert bf16.engine.runner.model.ops.arithmetic(bf16.exactness.cpu) == \
+        fp32_kv.engine.runner.model.ops.arithmetic(fp32_kv.exactness.cpu)
+    assert bf16.engine.fingerprint != fp32_kv.engine.fingerprint
+    assert LLM(model=tiny_model, dtype="bfloat16", kv_dtype="bfloat16").engine.fingerprint == bf16.engine.fingerprint
