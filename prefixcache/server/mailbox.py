@@ -1,19 +1,24 @@
 """Mailbox: a request's updates from the engine thread that its handler has not read yet, on the asyncio side.
 
-It holds at most one update per sample: a new update merges into the one still waiting (text deltas and logprobs
-appended, the latest counts kept), so a handler that stops reading (a client that stops draining its stream, or a
-slow one) costs the memory of its text, never a copy per step, and a bounded number of entries. `stalled` tells
-when updates have waited longer than a time: the worker then aborts the request.
+Updates wait in arrival order, one per engine step of a sample, so a handler that keeps up streams a chunk a token
+whatever the load. Past MERGE_AFTER waiting, a new update merges into its sample's latest waiting one (text deltas
+and logprobs appended, the latest counts kept), so a handler that stops reading (a client that stops draining its
+stream, or a slow one) costs the memory of its text and MERGE_AFTER entries, never a copy of the text per step.
+`stalled` tells when updates have waited longer than a time: the worker then aborts the request.
 """
 import asyncio
 import time
+from collections import deque
 
 from prefixcache.server.update import Update
+
+MERGE_AFTER = 256  # waiting updates: a handler this far behind the engine is not reading
 
 
 class Mailbox:
     def __init__(self):
-        self.waiting: dict[int, Update] = {}  # by sample index, in arrival order
+        self.waiting: deque[Update] = deque()
+        self.latest: dict[int, Update] = {}  # each sample's latest waiting update
         self.error: Update | None = None  # once set, the request's only remaining update
         self.ready = asyncio.Event()
         self.read_at = time.monotonic()  # when the handler last took an update (or the request began)
@@ -22,11 +27,14 @@ class Mailbox:
         if self.error is not None:
             return
         if update.error is not None:
-            self.error, self.waiting = update, {}
-        elif (w := self.waiting.get(update.index)) is None:
-            self.waiting[update.index] = update
-        else:
+            self.error = update
+            self.waiting.clear()
+            self.latest.clear()
+        elif len(self.waiting) >= MERGE_AFTER and (w := self.latest.get(update.index)) is not None:
             w.merge(update)
+        else:
+            self.waiting.append(update)
+            self.latest[update.index] = update
         self.ready.set()
 
     async def get(self) -> Update:
@@ -36,7 +44,10 @@ class Mailbox:
         self.read_at = time.monotonic()
         if self.error is not None:
             return self.error
-        return self.waiting.pop(next(iter(self.waiting)))
+        u = self.waiting.popleft()
+        if self.latest.get(u.index) is u:
+            del self.latest[u.index]
+        return u
 
     def stalled(self, now: float, seconds: float) -> bool:
         """Updates have waited unread for more than `seconds`."""

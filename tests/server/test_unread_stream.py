@@ -13,21 +13,23 @@ from prefixcache.config import Config
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.server.config import ServeConfig
+from prefixcache.server.mailbox import MERGE_AFTER
 from prefixcache.server.worker import EngineWorker
 
 N, MAX_TOKENS = 4, 1500
 
 
 def test_unread_updates_hold_each_sample_text_once(tiny_model):
-    """No handler reads: the mailbox holds one update per sample, whose texts are the samples' whole outputs and
-    whose step times are all of them (before, each step queued a copy of the whole text: memory grew as tokens^2)."""
+    """No handler reads: past MERGE_AFTER waiting updates, new ones merge into their sample's latest, whose texts
+    and step times add up to the samples' whole outputs (before, each step queued a copy of the whole text: memory
+    grew as tokens^2)."""
     worker = EngineWorker(lambda: Engine(Config(model=tiny_model, kv_cache_bytes=2**24)), stall_seconds=3600)
 
     async def run():
         worker.start(asyncio.get_running_loop())
         params = SamplingParams(max_tokens=200, ignore_eos=True, n=N, seed=5, logprobs=1)
         handle = worker.submit(list(range(100, 140)), params, CacheScope(), [])
-        while len(handle.updates.waiting) < N or not all(u.output for u in handle.updates.waiting.values()):
+        while sum(u.output is not None for u in handle.updates.waiting) < N:
             await asyncio.sleep(0.01)
         return handle.updates.waiting
 
@@ -35,10 +37,11 @@ def test_unread_updates_hold_each_sample_text_once(tiny_model):
         waiting = asyncio.run(run())
     finally:
         worker.stop()
-    assert sorted(waiting) == list(range(N))
-    for u in waiting.values():
-        assert u.text == u.output.text and len(u.output.token_ids) == 200
-        assert len(u.times) == 200 and len(u.logprobs) == 200
+    assert len(waiting) == MERGE_AFTER  # N * 200 updates came
+    for i in range(N):
+        mine = [u for u in waiting if u.index == i]
+        assert "".join(u.text for u in mine) == mine[-1].output.text and len(mine[-1].output.token_ids) == 200
+        assert sum(len(u.times) for u in mine) == 200 == sum(len(u.logprobs) for u in mine)
 
 
 @pytest.fixture(scope="module")
