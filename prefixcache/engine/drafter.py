@@ -5,21 +5,21 @@ Two sources, tried in this order:
   MIN_NGRAM) in its own tokens (prompt, cached prefix included, and output so far) proposes what followed them;
 - answer reuse: the same lookup in the recent finished outputs of the request's own CacheScope. A scope's table
   is never read by another scope: acceptance shows in timing, so a shared table would tell one tenant another's
-  answers. Each table keeps its scope's last ANSWER_TOKENS output tokens; past MAX_SCOPES tables of one owner
-  (tenant and labels: salts make scopes), that owner's least recently used one goes, so no tenant evicts another's.
+  answers. Each table keeps its scope's last ANSWER_TOKENS output tokens; a tenant keeps TENANT_SCOPES tables (over
+  its label sets and salts), the server MAX_SCOPES (cache/tenant_lru.py: no tenant evicts another's below its part).
 The engine verifies every draft in one forward and keeps only what the model itself would have produced.
 """
-from collections import OrderedDict
-
 import numpy as np
 
 from prefixcache.cache.scope import CacheScope
+from prefixcache.cache.tenant_lru import TenantLru
 
 METHODS = ("off", "prompt", "answers", "both")
 MAX_DRAFT = 16  # the cap on num_speculative_tokens
 MIN_NGRAM, MAX_NGRAM = 2, 4
 ANSWER_TOKENS = 1 << 15
-MAX_SCOPES = 256  # answer tables per owner
+TENANT_SCOPES = 256  # answer tables of one tenant (256 KiB each at most)
+MAX_SCOPES = 1024  # ... of all tenants
 SEPARATOR = -1  # between answers in a table: no n-gram spans two answers
 
 
@@ -31,7 +31,7 @@ class Drafter:
             raise ValueError(f"num_speculative_tokens must be in [0, {MAX_DRAFT}], got {num_tokens}")
         self.method = method
         self.num_tokens = num_tokens
-        self.tables: dict[tuple, OrderedDict[bytes, np.ndarray]] = {}  # owner -> scope key -> recent answers
+        self.tables: TenantLru[np.ndarray] = TenantLru(TENANT_SCOPES, MAX_SCOPES)  # each scope's recent answers
 
     @property
     def enabled(self) -> bool:
@@ -42,9 +42,7 @@ class Drafter:
         ids = np.asarray(tokens)
         if self.method in ("prompt", "both") and (draft := _lookup(ids, ids, k)):
             return draft
-        tables = self.tables.get(scope.owner, {})
-        if self.method in ("answers", "both") and (table := tables.get(scope.key)) is not None:
-            tables.move_to_end(scope.key)
+        if self.method in ("answers", "both") and (table := self.tables.get(scope)) is not None:
             return _lookup(table, ids, k)
         return []
 
@@ -53,15 +51,13 @@ class Drafter:
         first output token on), for its scope's later requests."""
         if self.method not in ("answers", "both") or not num_output:
             return
-        tables = self.tables.setdefault(scope.owner, OrderedDict())
-        old = tables.pop(scope.key, np.empty(0, dtype=np.int64))
+        old = self.tables.get(scope)
         answer = tokens[-(num_output + MAX_NGRAM):]
-        tables[scope.key] = np.concatenate([old, answer, [SEPARATOR]])[-ANSWER_TOKENS:]
-        while len(tables) > MAX_SCOPES:
-            tables.popitem(last=False)
+        self.tables.put(scope, np.concatenate([np.empty(0, dtype=np.int64) if old is None else old, answer,
+                                               [SEPARATOR]])[-ANSWER_TOKENS:])
 
     def purge_tenant(self, tenant: str, labels: tuple[str, ...]) -> None:
-        self.tables.pop((tenant, labels), None)
+        self.tables.purge((tenant, labels))
 
 
 def _lookup(source: np.ndarray, tokens: np.ndarray, k: int) -> list[int]:

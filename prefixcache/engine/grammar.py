@@ -1,21 +1,22 @@
 """Structured output: a request's Guide (a JSON schema, any JSON object, a regex or a choice of strings) becomes an
 xgrammar matcher that masks, row by row, the tokens the grammar does not allow next.
 
-Compiled grammars outlive their request, so they are kept per scope (DESIGN.md, invariant 7): a tenant's request
-is fast only with a guide its own scope compiled before; a shared cache would tell it which schemas others use.
-Each scope has an xgrammar compiler of its own, whose cache holds at most MAX_GRAMMAR_BYTES (xgrammar's cache also
-speeds up a single compile, 8x on a schema that repeats a sub-schema, so it stays on); an owner (tenant and labels)
-keeps MAX_SCOPES of them, least recently used out first, so no tenant can evict another's. Compiling runs on a
-thread of its own at a low priority (xgrammar releases the GIL), while the engine serves everyone else; the request
-waits for it the way it waits for a tier lookup. The thread takes the tenants' guides by weight (cache/fair.py), so
-one tenant's many new schemas delay its own requests only; a tenant with COMPILES guides waiting has its next
-guided request refused (a ValueError: a 400). Masking changes only which token is sampled, never a logit the model
+Compiled grammars outlive their request, so they are kept per scope (DESIGN.md, invariant 7): a tenant's request is
+fast only with a guide its own scope compiled before; a shared cache would tell it which schemas others use. Each
+scope has an xgrammar compiler of its own, whose cache holds at most MAX_GRAMMAR_BYTES (xgrammar's cache also speeds
+up a single compile, 8x on a schema that repeats a sub-schema, so it stays on); a tenant keeps TENANT_SCOPES of them
+over all its label sets and salts (identity tokens bring as many label sets as their groups make), least recently
+used out first, and the server MAX_SCOPES in all: past that, the tenant holding the most gives up its least recently
+used one, so the memory is bounded and no tenant evicts another's below an equal part. Compiling runs on a thread of
+its own at a low priority (xgrammar releases the GIL), while the engine serves everyone else; the request waits for
+it the way it waits for a tier lookup. The thread takes the tenants' guides by weight (cache/fair.py), so one
+tenant's many new schemas delay its own requests only; a tenant with COMPILES guides waiting has its next guided
+request refused (a ValueError: a 400). Masking changes only which token is sampled, never a logit the model
 computed, so warm == cold holds for guided requests too.
 """
 import json
 import os
 import threading
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
@@ -25,9 +26,11 @@ import xgrammar as xgr
 
 from prefixcache.cache.fair import FairThread
 from prefixcache.cache.scope import CacheScope
+from prefixcache.cache.tenant_lru import TenantLru
 
 KINDS = ("json_object", "json_schema", "regex", "choice")
-MAX_SCOPES = 4  # scopes (salts) of one owner with compiled grammars kept
+TENANT_SCOPES = 4  # scopes (label sets, salts) of one tenant with compiled grammars kept
+MAX_SCOPES = 16  # ... of all tenants (at most 1 GiB of compiled grammars)
 MAX_GRAMMAR_BYTES = 64 << 20  # compiled grammars kept per scope (a 300-field schema compiles to about 22 MB)
 COMPILES = 64  # guides one tenant may have waiting to compile (a new 300-field schema takes 2-12 s)
 
@@ -61,17 +64,13 @@ class Grammars:
         # the tokenizer's tables take a moment: built at once (tenant "": the engine's), before any request waits
         self.info = self.thread.submit("", xgr.TokenizerInfo.from_huggingface, tokenizer, vocab_size=vocab_size,
                                        stop_token_ids=list(stop_token_ids))
-        self.scopes: dict[tuple, OrderedDict[bytes, _Compiler]] = {}  # owner -> scope key -> its compiler
+        self.scopes: TenantLru[_Compiler] = TenantLru(TENANT_SCOPES, MAX_SCOPES)
 
     def compile(self, scope: CacheScope, guide: Guide) -> Future:
         """The compiled grammar of a guide for a request of this scope, as a future (soon done if the scope
         compiled it before), which raises ValueError if the schema or regex does not compile. Raises ValueError if
         the scope's tenant has COMPILES guides waiting already."""
-        scopes = self.scopes.setdefault(scope.owner, OrderedDict())
-        compiler = scopes.setdefault(scope.key, _Compiler())
-        scopes.move_to_end(scope.key)
-        while len(scopes) > MAX_SCOPES:
-            scopes.popitem(last=False)
+        compiler = self.scopes.setdefault(scope, _Compiler)
         future = self.thread.submit(scope.tenant, self._compile, compiler, guide)
         if future is None:
             raise Busy(f"{COMPILES} guides of this tenant are waiting to compile; retry when they are done")
@@ -85,7 +84,7 @@ class Grammars:
         return Matcher(xgr.GrammarMatcher(grammar), self.vocab_size)
 
     def purge_tenant(self, tenant: str, labels: tuple[str, ...]) -> None:
-        self.scopes.pop((tenant, labels), None)
+        self.scopes.purge((tenant, labels))
 
     def clear(self) -> None:
         self.scopes.clear()

@@ -9,7 +9,7 @@ import torch
 from prefixcache import LLM, SamplingParams
 from prefixcache.cache.scope import CacheScope
 from prefixcache.engine.engine import Engine
-from prefixcache.engine.grammar import Busy, Grammars, Guide
+from prefixcache.engine.grammar import MAX_SCOPES, TENANT_SCOPES, Busy, Grammars, Guide
 from prefixcache.models.catalog import default_model_path
 from prefixcache.models.loader import tokenizer as load_tokenizer
 from prefixcache.prompt import call_schema, tool_calls
@@ -85,6 +85,27 @@ def test_a_forced_tool_call_is_one_the_renderer_reads_back(grammars):
         [(name, arguments)] = tool_calls(text, set(tools))
         assert name in tools and (arguments in ({"city": "Oslo"}, {"city": "Lima"}) if name == "get_weather"
                                   else arguments == {})
+
+
+def test_compiled_grammars_are_bounded_per_tenant_and_in_all(grammars):
+    """Each label set of a tenant (an identity token's groups make as many as they like) and each salt is a scope of
+    its own: a tenant keeps TENANT_SCOPES compilers, the server MAX_SCOPES, and a tenant flooding label sets never
+    takes another's below its part."""
+    _, g = grammars
+    g.clear()
+    obj = Guide("json_object")
+    for salt in ("1", "2"):
+        g.compile(CacheScope(tenant="b", salt=salt), obj).result()
+    for i in range(3 * TENANT_SCOPES):
+        g.compile(CacheScope(tenant="a", labels=(f"group-{i}",)), obj).result()
+
+    assert g.scopes.held() == {"a": TENANT_SCOPES, "b": 2}
+    for t in range(MAX_SCOPES // TENANT_SCOPES):
+        for i in range(TENANT_SCOPES):
+            g.compile(CacheScope(tenant=f"t{t}", salt=str(i)), obj).result()
+    assert len(g.scopes.items) == MAX_SCOPES and g.scopes.held()["b"] == 2 and min(g.scopes.held().values()) >= 2
+    g.purge_tenant("b", ())
+    assert "b" not in g.scopes.held()
 
 
 def test_a_finished_grammar_finishes_the_request_even_with_ignore_eos(tiny_model):
