@@ -1,18 +1,12 @@
 """The engine's options: every default, and their validation. The ground floor: it imports nothing of prefixcache
 and reads nothing when a Config is built; what depends on the machine (the model's path, bfloat16 support) is
 resolved where it is used (models/catalog.py, models/cpu.py)."""
-import os
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16")
 MODES = ("auto", "pad", "fixed", "rows")  # exactness; the probe may also choose "kernel", when our kernels run
 ISAS = ("avx512", "avx2")  # our kernel builds, best first (prefixcache/kernels); the ops' isa argument indexes this
 KERNELS = ("auto", *ISAS, "off")
-
-
-def cache_home() -> str:
-    """The user cache: built kernels, probe results, GGUF indexes and tokenizers, shipped models' files."""
-    return os.environ.get("PREFIXCACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "prefixcache"))
 
 
 @dataclass
@@ -62,7 +56,7 @@ class Config:
     num_threads: int = 0  # 0: torch's default
     lora_modules: str = ""  # LoRA adapters (PEFT folders) a request may name as its model: NAME=PATH[,NAME=PATH...]
     # KV tiers below host memory (cache/tiers.py), each off unless set:
-    disk_cache: str = ""  # L2: a folder for blocks evicted from memory
+    disk_cache: str = ""  # L2: a folder for blocks evicted from memory, this user's alone (made 0700; refused if not)
     disk_cache_gb: float = 10.0  # L2's byte budget (GiB), least recently used out first
     redis_url: str = ""  # L3, shared by replicas, and the KV event stream: redis://HOST:PORT/DB
     redis_kv: bool = True  # keep KV blocks in Redis (L3); off: Redis carries only the KV events (for routers)

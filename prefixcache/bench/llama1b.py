@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from prefixcache.config import cache_home
+from prefixcache.files import cache_home
 from prefixcache.models.catalog import default_model_path
 from prefixcache.models.loader import tokenizer
 

@@ -11,6 +11,8 @@ import logging
 import os
 import secrets
 
+from prefixcache.files import private_dir
+
 TIER_SECRET_ENV = "PREFIXCACHE_TIER_SECRET"
 REDIS_PASSWORD_ENV = "PREFIXCACHE_REDIS_PASSWORD"
 ROUTER_ADMIN_KEY_ENV = "PREFIXCACHE_ROUTER_ADMIN_KEY"
@@ -48,15 +50,15 @@ def tier_secret(path: str, disk_cache: str, l3: bool) -> bytes:
     if l3:
         log.warning("no tier secret (%s or --tier-secret-file): this replica's L3 blocks cannot be read by other "
                     "replicas%s", TIER_SECRET_ENV, "" if disk_cache else ", nor after a restart")
-    return _kept(os.path.join(disk_cache, SECRET_FILE)) if disk_cache else secrets.token_hex(32).encode()
+    return _kept(os.path.join(private_dir(disk_cache), SECRET_FILE)) if disk_cache else secrets.token_hex(32).encode()
 
 
 def _kept(path: str) -> bytes:
     """The secret in this file, made on first use (random, readable by this user only)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
-        with open(path, "rb") as f:
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
             return f.read()
     secret = secrets.token_hex(32).encode()
     with os.fdopen(fd, "wb") as f:

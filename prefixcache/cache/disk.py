@@ -13,28 +13,31 @@ tiers' worker) uses it.
 import errno
 import os
 import shutil
+import stat
 import time
 
 from prefixcache.cache.ledger import Ledger
+from prefixcache.files import private_dir
 
 
 class DiskTier:
     name = "L2"
 
     def __init__(self, root: str, budget_bytes: int):
-        self.root = root
-        os.makedirs(root, exist_ok=True)
+        self.root = private_dir(root)  # its records give the text away, and a forged one would be served
         self.index = Ledger(budget_bytes)
         self.full = 0  # writes refused by a full disk (ENOSPC): the block is simply not kept
         found = []
         for owner in os.listdir(root):
             folder = os.path.join(root, owner)
-            for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            if not stat.S_ISDIR(os.lstat(folder).st_mode):  # the secret, or a link that is not ours to follow
+                continue
+            for name in os.listdir(folder):
                 path = os.path.join(folder, name)
-                if name.endswith(".kv"):
-                    st = os.stat(path)
+                st = os.lstat(path)
+                if name.endswith(".kv") and stat.S_ISREG(st.st_mode):
                     found.append((st.st_mtime, name[:-3], owner, st.st_size))
-                else:  # a temporary file from a write that never finished
+                else:  # a temporary file from a write that never finished (a link: the link alone goes)
                     os.unlink(path)
         for _, key, owner, size in sorted(found):
             if size > budget_bytes:
@@ -73,8 +76,10 @@ class DiskTier:
         path = self._path(owner, key)
         tmp = path + ".tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
         except OSError as e:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.config import ISAS, cache_home
+from prefixcache.config import ISAS
+from prefixcache.files import cache_home
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,10 @@ def build_folder(cc: str) -> str:
 
 
 def find(cc: str) -> str:
-    """The library built by `cc`, or with no compiler by any; "" when there is none."""
+    """The library built by `cc`, or with no compiler by any; "" when there is none (a library without the hash
+    its build wrote beside it is none)."""
     builds = [build_folder(cc)] if cc else sorted(glob.glob(os.path.join(folder(), "*")))  # not .lock, .build-*
-    return next((p for p in (os.path.join(b, f"{LIBRARY}.so") for b in builds) if os.path.exists(p)), "")
+    return next((p for p in (os.path.join(b, f"{LIBRARY}.so") for b in builds) if os.path.exists(f"{p}.sha256")), "")
 
 
 def supported() -> list[str]:
@@ -129,9 +131,13 @@ def _load() -> Library:
         path = find(cc)
         if run.returncode or not path:
             return Library("", "", f"failed to build ({(run.stderr.strip() or 'no library').splitlines()[-1]})")
+    with open(path, "rb") as f, open(f"{path}.sha256") as pin:
+        sha256, pinned = hashlib.sha256(f.read()).hexdigest(), pin.read().strip()
+    if sha256 != pinned:
+        return Library("", "", f"refused to load {path}: its bytes are not those its build wrote (sha256 {sha256}, "
+                       f"built {pinned}); delete {os.path.dirname(path)} to build it again")
     try:
         torch.ops.load_library(path)
     except (OSError, RuntimeError) as e:
         return Library("", "", f"failed to load {path} ({e})")
-    with open(path, "rb") as f:
-        return Library(path, hashlib.sha256(f.read()).hexdigest(), "")
+    return Library(path, sha256, "")

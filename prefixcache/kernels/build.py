@@ -2,6 +2,7 @@
 csrc/, through torch's extension toolchain, into the user cache (kernels/__init__.py says where). Processes that
 build at once take turns on a lock; each build runs in a folder of its own, renamed into place when complete."""
 import fcntl
+import hashlib
 import os
 import shutil
 import sys
@@ -23,7 +24,6 @@ def build() -> str:
         if find(cc):
             return find(cc)  # built while this process waited
         work = tempfile.mkdtemp(prefix=".build-", dir=folder())
-        os.chmod(work, 0o755)  # readable by users other than the builder, as any folder of the cache
         try:
             # no -ffast-math and no fused a*b+c beyond the kernels' own fma: the bits must not depend on the compiler's
             # choices; -fno-math-errno lets sqrtf be the instruction. OpenMP for at::parallel_for: the library then
@@ -32,6 +32,9 @@ def build() -> str:
                  extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"])
             with open(os.path.join(work, "compiler"), "w") as f:
                 f.write(cc + "\n")
+            with open(os.path.join(work, f"{LIBRARY}.so"), "rb") as f, \
+                    open(os.path.join(work, f"{LIBRARY}.so.sha256"), "w") as pin:
+                pin.write(hashlib.sha256(f.read()).hexdigest())  # checked before each load (kernels/__init__.py)
             shutil.rmtree(build_folder(cc), ignore_errors=True)  # a build that lost its library
             os.rename(work, build_folder(cc))
         finally:

@@ -4,7 +4,7 @@ cache). `--model` takes one of these names, a GGUF file or an HF safetensors fol
 import importlib.util
 import os
 
-from prefixcache.config import cache_home
+from prefixcache.files import cache_home
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_270M = "gemma-3-270m-q4_k_m.gguf"

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import xxhash
 
-from prefixcache.config import cache_home
+from prefixcache.files import cache_home
 from prefixcache.models.families import Family, by_gguf_arch
 from prefixcache.models.quant import KINDS, Blocks
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 import xxhash
 
-from prefixcache.config import cache_home
+from prefixcache.files import cache_home
 from prefixcache.models import families, gguf_file, quant, rope
 from prefixcache.models.quant import Blocks
 

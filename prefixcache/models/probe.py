@@ -28,7 +28,8 @@ import torch
 import xxhash
 
 from prefixcache import kernels
-from prefixcache.config import MODES, cache_home
+from prefixcache.config import MODES
+from prefixcache.files import cache_home
 from prefixcache.models import attention, exactness, kernel_check, layouts, paged, quant, rowwise
 from prefixcache.models.attention import Queries
 from prefixcache.models.cpu import cpu_info

@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import struct
+import subprocess
 import threading
 
 import pytest
@@ -181,12 +182,20 @@ def test_a_damaged_entry_is_deleted_and_recomputed(tiny_model, redis_proc, cold,
     assert r.get(name) != bytes(data)  # deleted (then written again, whole, by b's own computation)
 
 
-def test_a_full_disk_loses_nothing(tiny_model, tmp_path, cold):
-    a = llm(tiny_model, disk_cache=str(tmp_path))
-    folder = tmp_path / owner_id(CacheScope().owner)
-    folder.mkdir()
-    for key in a.engine.cache.prefix_keys(PROMPT):  # every write of PROMPT's blocks hits the kernel's ENOSPC
-        os.symlink("/dev/full", folder / f"{key}.kv.tmp")
+@pytest.fixture
+def small_disk(tmp_path):
+    """A file system of 32 KiB (a tmpfs of its own): the disk tier's writes soon meet the kernel's ENOSPC."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system takes root")
+    folder = tmp_path / "small"
+    folder.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k,mode=0700", "tmpfs", str(folder)], check=True)
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_full_disk_loses_nothing(tiny_model, small_disk, cold):
+    a = llm(tiny_model, disk_cache=str(small_disk))
     a.generate([PROMPT], GREEDY)
     flood(a)
     settle(a.engine)

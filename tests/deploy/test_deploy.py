@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.cache.credentials import REDIS_PASSWORD_ENV, TIER_SECRET_ENV
 from prefixcache.cli import build_parser
-from prefixcache.config import cache_home
+from prefixcache.files import cache_home
 from prefixcache.server.config import ServeConfig
 
 DEPLOY = os.path.join(os.path.dirname(__file__), "..", "..", "deploy")
