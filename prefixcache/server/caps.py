@@ -23,6 +23,8 @@ MAX_MESSAGES = 2048
 MAX_PARTS = 256  # content parts or blocks of one message, the system prompt's blocks, a message's tool calls
 MAX_TOOLS = 128  # as OpenAI allows
 MAX_METADATA = 16  # metadata pairs, as OpenAI allows; also chat_template_kwargs' variables
+MAX_LOGPROB_ENTRIES = 1 << 19  # a token's logprob or an alternative's, in one response: about 30 MB of JSON (n = 16
+# and prompt_logprobs = 20 on an 8k-token prompt asked for 2.7 million, 160 MB, built while the event loop waited)
 
 Word = Annotated[str, Field(max_length=MAX_WORD)]
 
@@ -43,5 +45,7 @@ def markdown(max_num_seqs: int, max_body_bytes: int) -> str:
             ("`guided_choice`, `structured_outputs.choice`", MAX_CHOICES), ("`messages`", MAX_MESSAGES),
             ("content parts or blocks of a message, system blocks, tool calls of a message", MAX_PARTS),
             ("`tools`", MAX_TOOLS), ("`metadata` pairs, `chat_template_kwargs` variables", MAX_METADATA),
+            ("logprob entries of a response (`logprobs`, `prompt_logprobs`, by `n` and `max_tokens`)",
+             f"{MAX_LOGPROB_ENTRIES:,}"),
             ("the request body", f"{max_body_bytes:,} bytes (`--max-body-bytes`), else 413")]
     return "\n".join(["| what | at most |", "|---|---|", *(f"| {what} | {cap} |" for what, cap in rows)])

@@ -10,10 +10,25 @@ from dataclasses import dataclass
 from tokenizers import decoders
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from prefixcache.engine.sequence import TokenLogprob
+from prefixcache.engine.sequence import SamplingParams, TokenLogprob
+from prefixcache.server.caps import MAX_LOGPROB_ENTRIES
+from prefixcache.server.errors import ApiError
 
 BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE's printable stand-ins -> bytes
 FLOOR = -9999.0  # vLLM's value for a logprob of -inf
+
+
+def check_logprobs(params: SamplingParams, prompt_tokens: int, max_tokens: int, per_choice_prompt: bool) -> None:
+    """A 400 naming the field if the response could carry more than MAX_LOGPROB_ENTRIES logprob entries: each output
+    token's and its alternatives', in every sample, and the prompt's (in every choice, for completions)."""
+    prompt = (params.prompt_logprobs + 1) * prompt_tokens * (params.n if per_choice_prompt else 1) \
+        if params.prompt_logprobs is not None else 0
+    output = (params.logprobs + 1) * max_tokens * params.n if params.logprobs is not None else 0
+    if prompt + output > MAX_LOGPROB_ENTRIES:
+        field = "prompt_logprobs" if prompt >= output else "logprobs"
+        raise ApiError(400, f"{field}: this request's response would carry {prompt + output:,} logprob entries "
+                            f"(the tokens' and their alternatives', in every choice); at most {MAX_LOGPROB_ENTRIES:,}",
+                       param=field)
 
 
 def _value(logprob: float) -> float:

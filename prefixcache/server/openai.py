@@ -8,12 +8,13 @@ import time
 import uuid
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from prefixcache.engine.sequence import SamplingParams, best
+from prefixcache.server.body import json_body
 from prefixcache.server.errors import ApiError
 from prefixcache.server.generation import Generation
-from prefixcache.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs, prompt_logprobs
+from prefixcache.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs, check_logprobs, prompt_logprobs
 from prefixcache.server.openai_requests import ChatRequest, Common, CompletionRequest, completion_prompt
 from prefixcache.server.principal import Principal
 from prefixcache.server.state import current, principal
@@ -44,6 +45,7 @@ async def complete(request: Request, req: Common, caller: Principal, chat: bool)
         return rendered, prompt, req.sampling(server.tokenizer, server.engine.max_model_len)
 
     rendered, prompt, params = await server.prepare(caller, prepare)
+    check_logprobs(params, len(prompt), params.max_tokens or server.engine.config.max_tokens, not chat)
     gen = await server.generate(request, "openai", caller, prompt, params, req.salt,
                                 where=rendered.where if rendered else None, adapter=adapter)
     reply = Reply(req, gen, params, prompt, server.tokenizer, adapter or server.model_name, chat)
@@ -76,7 +78,7 @@ class Reply:
         self.base = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                      "created": int(time.time()), "model": model}
 
-    async def whole(self) -> JSONResponse:
+    async def whole(self) -> Response:
         gen, req, chat = self.gen, self.req, self.chat
         texts = await gen.texts()
         prompt_lps = prompt_logprobs(self.tt, gen.prompt_logprobs or []) if req.prompt_logprobs is not None else None
@@ -95,7 +97,8 @@ class Reply:
         ids = {"prompt_token_ids": self.prompt} if chat and req.return_token_ids else {}
         if chat and prompt_lps is not None:
             ids["prompt_logprobs"] = prompt_lps
-        return JSONResponse({**self.base, **ids, "choices": choices, "usage": usage(gen)}, headers=gen.header())
+        body = await json_body({**self.base, **ids, "choices": choices, "usage": usage(gen)})
+        return Response(body, media_type="application/json", headers=gen.header())
 
     def stream(self) -> StreamingResponse:
         return StreamingResponse(self._events(), media_type="text/event-stream", headers=self.gen.header())

@@ -87,6 +87,16 @@ def test_every_list_and_string_over_its_cap_is_a_400_naming_it(srv, path, field,
     refused(post(srv, path, {**base, field: value}), field, cap)
 
 
+def test_a_response_of_too_many_logprob_entries_is_a_400_before_any_work(srv):
+    """n = 2 and prompt_logprobs = 20 on a long prompt: the prompt's entries in both choices would pass the cap, and
+    the request is refused before its prompt is checked against the context. (An 8k-token prompt at n = 16 asked for
+    2.7 million entries, 160 MB of JSON.)"""
+    prompt = "word " * (caps.MAX_LOGPROB_ENTRIES // 21 // 2 + 200)
+    over = post(srv, "/v1/completions", {**PROMPT, "prompt": prompt, "n": 2, "prompt_logprobs": 20})
+    refused(over, "prompt_logprobs", f"{caps.MAX_LOGPROB_ENTRIES:,}")
+    assert post(srv, "/v1/completions", {**PROMPT, "n": 2, "prompt_logprobs": 20, "logprobs": 5}).status_code == 200
+
+
 def test_a_tenant_holding_every_slot_gets_the_429_and_a_newcomer_enters(srv):
     """Capacity is max_num_seqs + max_queue = 4. Tenant a fills it while the engine is held; a's next request is
     refused, b's is admitted (b holds less than its half), and every admitted request completes."""
