@@ -1,5 +1,6 @@
 """Where the kernels' builds live (prefixcache/kernels): found by their sources, torch and compiler, and built by
 one process at a time into a folder that appears whole."""
+import hashlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,8 @@ def test_a_build_is_found_by_sources_torch_and_compiler_or_any_compiler_without_
     built = tmp_path / "kernels" / os.path.basename(kernels.folder()) / "0123"
     built.mkdir(parents=True)
     (built / f"{kernels.LIBRARY}.so").touch()
+    assert kernels.find("") == ""  # no hash written by its build beside it: not a build of ours
+    (built / f"{kernels.LIBRARY}.so.sha256").write_text(hashlib.sha256(b"").hexdigest())
     assert kernels.find("") == str(built / f"{kernels.LIBRARY}.so") and kernels.find("g++ (other) 1.0") == ""
     monkeypatch.setattr(torch, "__version__", "2.0.0")  # another torch: another folder
     assert kernels.find("") == ""
