@@ -42,8 +42,10 @@ class Cache(Protocol):
     def pin(self, nodes: list[Node], pinned: bool = True) -> None:
         """Keep these blocks from eviction, or (pinned False) let them go again."""
 
-    def evict(self, n_pages: int) -> int:
-        """Free up to n_pages of unreferenced entries and local parts; returns how many pages were freed."""
+    def evict(self, n_pages: int, using: Counter | None = None, asking: Hashable | None = None) -> int:
+        """Free up to n_pages of unreferenced entries and local parts; returns how many pages were freed. `using`:
+        the pages each owner holds outside the cache, counted towards its group's share; for an owner `asking` for
+        room, no other group at or under its share loses an unexpired entry."""
 
     def set_shares(self, shares: dict[Hashable, float], group: Callable[[Hashable], Hashable]) -> None:
         """Guaranteed fractions of the pool by owner group (`group`: an owner's group), weighed by eviction."""

@@ -43,7 +43,7 @@ class NullCache:
     def pin(self, nodes: list[Node], pinned: bool = True) -> None:
         pass
 
-    def evict(self, n_pages: int) -> int:
+    def evict(self, n_pages: int, using: Counter | None = None, asking: Hashable | None = None) -> int:
         return 0
 
     def set_shares(self, shares: dict[Hashable, float], group: Callable[[Hashable], Hashable]) -> None:

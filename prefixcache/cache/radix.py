@@ -187,18 +187,21 @@ class PrefixCache:
         assert sum(shares.values()) <= 1 + 1e-9, "cache shares add up to more than the whole cache"
         self.shares, self.group = dict(shares), group
 
-    def evict(self, n_pages: int) -> int:
+    def evict(self, n_pages: int, using: Counter | None = None, asking: Hashable | None = None) -> int:
         """Free up to n_pages by dropping evictable leaves and local parts; returns how many pages were freed.
         Expired entries go first; then the owner group furthest over its guaranteed share (without shares: an
         equal share, so the group holding the most) gives up its own; within it, lower priority, then least
-        recently used, a node's local part before the node."""
+        recently used, a node's local part before the node. `using`: pages each owner holds outside the cache
+        (running sequences'), which count towards its group's share; for an owner `asking` for room, no other group
+        at or under its share loses an unexpired entry."""
         now = self.clock()
         ranks = [(self.owner(n), _rank(n, now, whole=True)) for n in self.nodes.values() if self._evictable(n)]
         ranks += [(self.owner(n), _rank(n, now, whole=False)) for n in self.nodes.values() if self._local_evictable(n)]
-        victims = Victims(self.pages_by_owner(), self.shares, self.group, self.pool.usable_blocks, ranks)
+        victims = Victims(self.pages_by_owner(), self.shares, self.group, self.pool.usable_blocks, ranks, using,
+                          asking)
         freed = 0
-        while freed < n_pages and victims:
-            owner, rank = victims.pop()
+        while freed < n_pages and victims and (victim := victims.pop()) is not None:
+            owner, rank = victim
             node, whole = rank[-1], rank[-3]
             if not whole:
                 if self._local_evictable(node):

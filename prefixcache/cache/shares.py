@@ -20,13 +20,16 @@ def guarantees(held: Counter, shares: dict[Hashable, float], capacity: int) -> d
 
 class Victims:
     """Evictable entries by owner, each owner's as a heap of ranks: tuples whose first item is 0 for an expired
-    entry, which goes before any share is weighed. pop() takes from the owner furthest over its group's guarantee."""
+    entry, which goes before any share is weighed. pop() takes from the owner furthest over its group's guarantee;
+    `using` adds the pages each owner holds outside the cache (its running sequences'), and for an owner `asking`
+    for room, no unexpired entry of another group at or under its guarantee goes (pop() returns None)."""
 
     def __init__(self, held: Counter, shares: dict[Hashable, float], group: Callable[[Hashable], Hashable],
-                 capacity: int, ranks: Iterable[tuple[Hashable, tuple]]):
-        self.group = group
+                 capacity: int, ranks: Iterable[tuple[Hashable, tuple]], using: Counter | None = None,
+                 asking: Hashable | None = None):
+        self.group, self.asking = group, None if asking is None else group(asking)
         self.held: Counter = Counter()  # pages by group
-        for owner, n in held.items():
+        for owner, n in [*held.items(), *(using or {}).items()]:
             self.held[group(owner)] += n
         self.guaranteed = guarantees(self.held, shares, capacity)
         self.heaps: dict[Hashable, list] = {}
@@ -41,10 +44,14 @@ class Victims:
     def push(self, owner: Hashable, rank: tuple) -> None:
         heapq.heappush(self.heaps.setdefault(owner, []), rank)
 
-    def pop(self) -> tuple[Hashable, tuple]:
+    def pop(self) -> tuple[Hashable, tuple] | None:
         """The next victim's owner and rank (the caller checks that it may still go, then calls took)."""
         heaps, group = self.heaps, self.group
-        owner = min(heaps, key=lambda o: (heaps[o][0][0], self.guaranteed[group(o)] - self.held[group(o)]))
+        may = [o for o in heaps if self.asking is None or heaps[o][0][0] == 0 or group(o) == self.asking or
+               self.held[group(o)] > self.guaranteed[group(o)]]
+        if not may:
+            return None
+        owner = min(may, key=lambda o: (heaps[o][0][0], self.guaranteed[group(o)] - self.held[group(o)]))
         rank = heapq.heappop(heaps[owner])
         if not heaps[owner]:
             del heaps[owner]

@@ -5,6 +5,7 @@ It sits between the engine and the cache: the cache knows scope keys, tokens and
 import dataclasses
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable
 from concurrent.futures import FIRST_COMPLETED, wait
 
@@ -38,6 +39,8 @@ class BlockManager:
         self.shared_prefixes = sorted((tuple(p) for p in shared_prefixes if p), key=len, reverse=True)
         self.hits = Hits(self.cache, self.bs, log_cross_scope_misses)
         self.tiering: Tiering | None = None  # KV tiers below host memory, if any (attach)
+        self.using: Callable[[], Counter] = Counter  # pages of running sequences outside the cache, by owner
+        # (the scheduler's: engine/memory_shares.py)
 
     # ---- admission ----------------------------------------------------------------------------------------
     def prepare(self, seq: Sequence) -> None:
@@ -95,9 +98,10 @@ class BlockManager:
         return self.cache.match(seq.tokens, c.keys, scopes, partial_scopes,
                                 len(seq.tokens) - 1 if limit is None else limit)
 
-    def admit(self, seq: Sequence, m: Match | None = None, first: int | None = None) -> bool:
+    def admit(self, seq: Sequence, m: Match | None = None, first: int | None = None, protect: bool = True) -> bool:
         """Lock the cached prefix (m, or a fresh match) and allocate blocks for the rest of the known tokens, with the
-        local parts the first step's `first` tokens past it need (None: all); False if it doesn't fit."""
+        local parts the first step's `first` tokens past it need (None: all); False if it doesn't fit (`protect`:
+        see reserve)."""
         used = (m.nodes + [m.partial] if m.partial else m.nodes) if m else []
         if m is None or not all(n.alive for n in used) or not self.cache.restores(m):
             m = self.match(seq)  # an admission earlier in this step may have evicted part of the old match
@@ -111,7 +115,7 @@ class BlockManager:
         needed = math.ceil(len(seq.tokens) / self.bs) - len(m.nodes)
         end = len(seq.tokens) if first is None else min(len(seq.tokens), len(m) + max(first, 1))
         local = self.blocks_for(end) - len(m.nodes) if self.pool.local_pages else 0
-        if not self.reserve(needed + local * self.pool.local_pages):
+        if not self.reserve(needed + local * self.pool.local_pages, seq if protect else None):
             for n in used[read:]:
                 self.pool.unref_local(n.block)
             for n in used:
@@ -138,7 +142,7 @@ class BlockManager:
         """Start child (the same prompt) from parent's computed tokens: share its full blocks, copy the partial last
         one. The child reads nothing from the cache and writes no prompt token; False if the copy does not fit."""
         n_full, part = divmod(parent.num_computed, self.bs)
-        if part and not self.reserve(1 + self.pool.local_pages):
+        if part and not self.reserve(1 + self.pool.local_pages, parent):
             return False
         child.block_table = parent.block_table[:n_full] + (self.pool.allocate(1) if part else [])
         for b in child.block_table[:n_full]:
@@ -155,15 +159,15 @@ class BlockManager:
                                           write={}, write_counted=child.num_prompt)
         return True
 
-    def grow(self, seq: Sequence, n_tokens: int, evict: bool = True) -> bool:
+    def grow(self, seq: Sequence, n_tokens: int, evict: bool = True, protect: bool = True) -> bool:
         """Make room for the next n_tokens of the sequence; False if the pool is exhausted (or, with evict False,
-        has too few free blocks)."""
+        has too few free blocks; `protect`: see reserve)."""
         end = self.blocks_for(seq.num_computed + n_tokens)
         needed = max(0, end - len(seq.block_table))
         pages = needed + (max(0, end - seq.local.stop) * self.pool.local_pages)
         if pages == 0:
             return True
-        if not (self.reserve(pages) if evict else pages <= self.pool.num_free):
+        if not (self.reserve(pages, seq if protect else None) if evict else pages <= self.pool.num_free):
             return False
         seq.block_table += self.pool.allocate(needed, seq.block_table[-1] if seq.block_table else None)
         self._add_local(seq, end)
@@ -294,9 +298,11 @@ class BlockManager:
         """Whether a sequence of n_tokens could ever run: alone, with every other entry evicted."""
         return self.pages_for(n_tokens) <= self.room()
 
-    def reserve(self, n: int) -> bool:
+    def reserve(self, n: int, seq: Sequence | None) -> bool:
+        """n free pages, made by eviction if needed: for a sequence, of its tenant's own entries and those of tenants
+        over their part of the pool (engine/memory_shares.py); for None, of anyone's."""
         if n > self.pool.num_free:
-            self.cache.evict(n - self.pool.num_free)
+            self.cache.evict(n - self.pool.num_free, self.using(), seq and seq.scope.owner)
         return n <= self.pool.num_free
 
     def scope_at(self, seq: Sequence, end: int) -> CacheScope:
@@ -335,7 +341,7 @@ class BlockManager:
                 return  # its local layers' keys are gone: a hit on it could not be served
             if local:
                 self.pool.ref_local(source)  # held for the copy: making room may not evict it
-            block = self.pool.allocate(1)[0] if self.reserve(1 + local) else None
+            block = self.pool.allocate(1)[0] if self.reserve(1 + local, seq) else None
             if block is not None:
                 if local:
                     self.pool.add_local(block)

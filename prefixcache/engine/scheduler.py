@@ -3,7 +3,8 @@
 The running slots (`max_num_seqs`) are shared by tenant weight (their `cache_share`s, equal by default; see
 cache/shares.py `guarantees`): a tenant with a request waiting and fewer slots than its part takes them from the
 tenant furthest over its own part (whose newest sequences are preempted, their computed blocks kept cached), and
-memory pressure preempts the newest sequence of the tenant holding the most KV blocks over its part of the pool. A
+the KV pool by memory shares (engine/memory_shares.py): no tenant's running work evicts another's cached prefixes
+under its part; memory pressure preempts the tenant furthest over its own. A
 request that does not fit (slots or memory) is passed over, not waited for, until it has been passed over
 `fairness_steps` times; then it goes first and nothing overtakes it (unless its tenant holds its part while another
 waits below its own). While tenants share the engine, a step holds back the decode rows that would slow another
@@ -25,6 +26,7 @@ from collections import Counter, deque
 
 from prefixcache.cache.shares import guarantees
 from prefixcache.engine.blocks import BlockManager
+from prefixcache.engine.memory_shares import heaviest, newest, over, running_pages
 from prefixcache.engine.pace import Pace
 from prefixcache.engine.prefill_shares import PrefillShares
 from prefixcache.engine.sequence import Sequence, Status
@@ -56,6 +58,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.shares: dict[str, float] = {}  # tenant -> weight (its cache_share); the rest split equally
         self.running: list[Sequence] = []
+        blocks.using = lambda: running_pages(self.running, blocks.pool.local_pages)
         self.num_preemptions = 0
         self.last_was_lane = False  # the last step was a first-token step (see _first_token_lane)
         self.lane_slack = 0.0  # paced: seconds lane steps may take inside the step under way (Scheduler.lane)
@@ -91,8 +94,12 @@ class Scheduler:
                 n = self._fit(seq.num_computed, n, step + kept, slack)
             if n == 0:
                 continue
-            while not self.blocks.grow(seq, n):
-                victim = self._victim()
+            while not self.blocks.grow(seq, n):  # room from its own entries and those of tenants over their part
+                victim = newest(self.running, over(self.running, self.blocks, self.shares))
+                if victim is None:  # no tenant is over its part: room from anyone's entries, as it comes
+                    if self.blocks.grow(seq, n, protect=False):
+                        break
+                    victim = heaviest(self.running, self.blocks, self.shares)
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -106,12 +113,13 @@ class Scheduler:
         if order is None or self.num_preemptions != preempted:
             order = self._admission_order(now)
         blocked, first = False, math.inf  # paced: seconds to the first-token deadline of one admitted that meets it
+        short: set[str] = set()  # tenants whose due request waits for memory: nothing of theirs overtakes it
         for whole in (True, False) if self.pace else (True,):  # paced: requests that fit whole first, then chunks
             for seq, m, due in order:
                 if budget == 0 or blocked:
                     break
-                if seq.status is not Status.WAITING or self._waits_for_inflight(seq, m) or \
-                        not shares.allow(seq, budget):
+                if seq.status is not Status.WAITING or seq.scope.tenant in short or \
+                        self._waits_for_inflight(seq, m) or not shares.allow(seq, budget):
                     continue
                 need = self._paced(seq, len(m), step, batch, (limits, strict), min(slack, first), now, whole)
                 if need == 0 and due and whole:
@@ -119,9 +127,12 @@ class Scheduler:
                 # nor would a longer step make a first token it gives late
                 if need == 0 or self.cost.seconds(step + Work.chunk(len(m), need)) > first:
                     continue
-                if self.num_slots + 1 + len(seq.forks) > self.max_num_seqs or \
-                        not self.blocks.admit(seq, m, min(budget, need)):
-                    blocked = due  # passed over long enough: it waits for slots or memory, and nothing overtakes it
+                if self.num_slots + 1 + len(seq.forks) > self.max_num_seqs:
+                    blocked = due  # passed over long enough: it waits for slots, and nothing overtakes it
+                    continue
+                if not self._admit(seq, m, min(budget, need), frozenset(s.id for s, _ in plan)):
+                    if due:  # it waits for memory, and nothing of its tenant overtakes it; others' requests may
+                        short.add(seq.scope.tenant)
                     continue
                 self.waiting.remove(seq)
                 self.adopt(seq)
@@ -179,7 +190,8 @@ class Scheduler:
             spare = self.pace.allowance(seq, decode) - (self.step_end - now) if self.pace else math.inf
             if self.pace and (self.pace.hopeless(seq, need, now) or cost > seconds or spare < 0):
                 continue
-            if self._waits_for_inflight(seq, m) or not self._slot(seq) or not self.blocks.admit(seq, m):
+            if self._waits_for_inflight(seq, m) or not self._slot(seq) or \
+                    not self._admit(seq, m, None, frozenset(self.stepping)):
                 continue
             self.waiting.remove(seq)
             self.adopt(seq)
@@ -289,15 +301,19 @@ class Scheduler:
             return None
         return next((s for s in reversed(self.running) if s.scope.tenant == over and s.id not in keep), None)
 
-    def _victim(self) -> Sequence:
-        """Whom memory pressure preempts: the newest running sequence of the tenant whose running sequences hold the
-        most KV pages over its part of the pool (a page a block, and the pages of the local parts it holds)."""
-        held = Counter()
-        for seq in self.running:
-            held[seq.scope.tenant] += len(seq.block_table) + len(seq.local) * self.blocks.pool.local_pages
-        fair = guarantees(held, self.shares, self.blocks.pool.usable_blocks)
-        over = max(held, key=lambda t: held[t] - fair[t])
-        return next(s for s in reversed(self.running) if s.scope.tenant == over)
+    def _admit(self, seq: Sequence, m, first: int, keep: frozenset[int]) -> bool:
+        """Admit a request (BlockManager.admit) by memory shares (engine/memory_shares.py): room from its tenant's
+        entries and those of tenants over their part, else by preempting (outside `keep`) the sequences of tenants
+        over their part; if none is, from anyone's entries. False: it waits (its own tenant is over its part)."""
+        while not self.blocks.admit(seq, m, first):
+            tenants = over(self.running, self.blocks, self.shares)
+            if not tenants:
+                return self.blocks.admit(seq, m, first, protect=False)
+            victim = newest(self.running, tenants, keep)
+            if seq.scope.tenant in tenants or victim is None:  # those over run only in this step: next time
+                return False
+            self.preempt(victim)
+        return True
 
     def _prefill_shares(self) -> PrefillShares:
         """This step's prefill caps (a deficit round robin over engine use): while two tenants or more have work

@@ -159,7 +159,7 @@ class Tiering:
         for j, f in enumerate(found, start=first):
             node = self.cache.get(c.keys[j])
             if node is None:
-                if not self.blocks.reserve(1 + self.pool.local_pages):
+                if not self.blocks.reserve(1 + self.pool.local_pages, seq):
                     break
                 block = self.pool.allocate(1)[0]
                 if self.pool.local_pages:
@@ -184,7 +184,7 @@ class Tiering:
             held.append(node)
             parent = node
             if not self._whole(node) and f.record is not None:  # L1 kept the block, not its local layers
-                if not self.blocks.reserve(self.pool.local_pages):
+                if not self.blocks.reserve(self.pool.local_pages, seq):
                     break
                 self.cache.attach_local(node)
                 self.pool.write(node.block, f.record.k, f.record.v, local=True)

@@ -4,6 +4,7 @@ pressure preempts the tenant holding the most over its part. Steps are driven by
 from collections import Counter
 
 from prefixcache import LLM, CacheScope, SamplingParams
+from prefixcache.engine.memory_shares import heaviest
 from prefixcache.engine.sequence import Status
 
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -76,7 +77,7 @@ def test_memory_pressure_preempts_the_tenant_holding_the_most_blocks(tiny_model)
     e.add_request(prompt(60)[:20], LONG, CacheScope("b"))  # 2 blocks, and the newest sequence
     e.step()
     assert running(llm) == {"a": 1, "b": 1}
-    assert e.scheduler._victim().scope.tenant == "a"
+    assert heaviest(e.scheduler.running, e.scheduler.blocks, e.scheduler.shares).scope.tenant == "a"
 
 
 def test_a_tenants_long_queue_does_not_go_ahead_of_a_newcomer_below_its_part(tiny_model):
@@ -92,3 +93,25 @@ def test_a_tenants_long_queue_does_not_go_ahead_of_a_newcomer_below_its_part(tin
     b = e.add_request(prompt(50), LONG, CacheScope("b"))
     e.step()
     assert b.status is Status.RUNNING and running(llm) == {"a": 1, "b": 1}
+
+
+def test_a_tenants_running_work_does_not_evict_another_tenants_prefix_under_its_part(tiny_model):
+    """b caches a prefix of 40 blocks (of 128: under its half); a then runs 8 fresh prompts at once whose blocks,
+    200 and more, overflow the pool. a's running sequences pinned its own blocks, so eviction used to take b's
+    prefix (b's next request found none of it cached); now a's newest sequences are preempted instead (a is the one
+    over its part) and b's prefix stays whole. Every request still finishes, with the tokens it has alone."""
+    block_bytes = LLM(model=tiny_model, enable_prefix_cache=False).engine.pool.block_bytes
+    llm = LLM(model=tiny_model, kv_cache_bytes=129 * block_bytes, max_num_seqs=8, min_cache_tokens=0)
+    e = llm.engine
+    b_prompt = list(range(7000, 7000 + 40 * 16))
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([b_prompt], one, scope=CacheScope("b"))
+    runs = [e.add_request([200 + i] + list(range(4000 + 400 * i, 4000 + 400 * i + 300)), LONG, CacheScope("a"))
+            for i in range(8)]
+    while any(s.finish_reason is None for s in runs):
+        e.step()
+    assert e.scheduler.num_preemptions > 0  # a's streams overflowed the pool
+    assert llm.generate([b_prompt + [5]], one, scope=CacheScope("b"))[0].cached_tokens == len(b_prompt)
+    alone = LLM(model=tiny_model, enable_prefix_cache=False)
+    assert [s.output().token_ids for s in runs[:2]] == [o.token_ids for o in alone.generate(
+        [s.tokens[:s.num_prompt] for s in runs[:2]], LONG)]

@@ -9,6 +9,7 @@ import torch
 from conftest import GREEDY, generate_with_logits
 
 from prefixcache import LLM, CacheScope, SamplingParams, kernels
+from prefixcache.engine.memory_shares import heaviest
 from prefixcache.models import attention, paged
 from prefixcache.models.attention import Queries
 from prefixcache.models.exactness import rows_plan
@@ -217,4 +218,4 @@ def test_memory_pressure_preempts_from_the_tenant_holding_the_most_pages(tiny_ge
     pages = {s.id: len(s.block_table) + 2 * len(s.local) for s in [b, *a]}
     assert [len(s.block_table) for s in a] == [5] * 3 and len(b.block_table) == 25
     assert sum(pages[s.id] for s in a) == 45 and pages[b.id] == 43
-    assert e.scheduler._victim() is a[-1]
+    assert heaviest(e.scheduler.running, e.scheduler.blocks, e.scheduler.shares) is a[-1]
