@@ -36,7 +36,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
         async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
             router.client = client
-            health = HealthChecker(replicas, client, cfg.health_interval, cfg.admin_key)
+            health = HealthChecker(replicas, client, cfg.health_interval, cfg.admin_key, index)
             await health.check_all()
             tasks = [asyncio.create_task(health.run())]
             if index:

@@ -53,6 +53,15 @@ class PrefixIndex:
         else:
             log.warning("malformed KV event skipped: replica=%r kind=%r tier=%r", replica, kind, tier)
 
+    def retain(self, replica_ids: set[str]) -> None:
+        """Forget every replica but these (the replicas' ids now): a replica that restarted under a new id (the
+        default is hostname-pid) left its old id's keys behind, which no request could match, for good."""
+        gone = set(self.tiers) - replica_ids
+        for replica in gone:
+            del self.tiers[replica]
+        if gone and any(k[0] in gone for k in self.pending):
+            self.pending = OrderedDict((k, t) for k, t in self.pending.items() if k[0] not in gone)
+
     def expect(self, replica_id: str | None, keys: list[str]) -> None:
         """A request with these keys was just sent to the replica: count them as held there for `expect_seconds`,
         so that the next requests with the same prefix follow it before its KV events arrive (a prefill of long

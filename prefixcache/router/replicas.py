@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from prefixcache.router.index import PrefixIndex
+
 UP = ("ok", "degraded")
 HEALTH_TIMEOUT = 2.0  # seconds; a replica's /health does not wait on its engine, so this is generous
 
@@ -59,9 +61,11 @@ class Replica:
 
 
 class HealthChecker:
-    def __init__(self, replicas: list[Replica], client: httpx.AsyncClient, interval: float, key: str | None):
-        """`key`: an admin key of the replicas, sent with each check to read their ids and load; None: none sent."""
-        self.replicas, self.client, self.interval = replicas, client, interval
+    def __init__(self, replicas: list[Replica], client: httpx.AsyncClient, interval: float, key: str | None,
+                 index: PrefixIndex | None = None):
+        """`key`: an admin key of the replicas, sent with each check to read their ids and load; None: none sent.
+        Once every replica's id is known, `index` forgets every other id after each round."""
+        self.replicas, self.client, self.interval, self.index = replicas, client, interval, index
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     async def check(self, replica: Replica) -> None:
@@ -79,6 +83,8 @@ class HealthChecker:
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in self.replicas))
+        if self.index and all(r.replica_id for r in self.replicas):
+            self.index.retain({r.replica_id for r in self.replicas})
 
     async def run(self) -> None:
         """Check every replica every `interval` seconds, forever (run it as a task; cancel it to stop)."""

@@ -2,9 +2,12 @@
 longer than its context, the router holds at most the context's blocks of one request, and its expectations of
 routed requests stay under `max_pending_keys` over all requests, the lapsed and the oldest going first at O(1) per
 key. Real parts: Redis, a `prefixcache serve` replica on the tiny model (context 1024), the router under uvicorn."""
+import asyncio
 import json
+import threading
 import time
 from collections import OrderedDict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -14,6 +17,7 @@ from test_router import KEYS, ReplicaProcess, RouterServer
 from prefixcache.bench.server import RedisProcess, free_port
 from prefixcache.router.config import RouterConfig
 from prefixcache.router.index import PrefixIndex
+from prefixcache.router.replicas import HealthChecker, Replica
 
 CONTEXT = 1024  # the replica's --max-model-len
 
@@ -119,3 +123,38 @@ def test_expecting_a_request_costs_its_own_keys_not_everything_held():
         index.expect("r0", [f"new-{i}"])
     assert index.pending is held and len(held) == 52_000
     assert held.walked <= 2 * 2000, held.walked  # the oldest entry looked at once a request, not all 50,000
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"status": "ok", "replica_id": "r-new", "running": 0, "waiting": 0}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_index_forgets_the_id_a_restarted_replica_left_behind():
+    """A replica restarted under a new id (hostname-pid by default): once the health checks know every replica's
+    id, the old id's keys and expectations go (they were kept for good, and no request could match them)."""
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    index = PrefixIndex("redis://unused")
+    for replica in ("r-old", "r-new"):
+        index.apply({"replica": replica, "kind": "stored", "tier": "L1", "keys": "k1,k2"})
+    index.expect("r-old", ["k3"])
+    replica = Replica(f"http://127.0.0.1:{http.server_port}", replica_id="r-old")
+
+    async def check():
+        async with httpx.AsyncClient() as client:
+            await HealthChecker([replica], client, 1.0, None, index).check_all()
+
+    try:
+        asyncio.run(check())
+    finally:
+        http.shutdown()
+    assert replica.replica_id == "r-new" and set(index.tiers) == {"r-new"} and not index.pending
+    assert index.match("r-new", ["k1", "k2"]) == 2
