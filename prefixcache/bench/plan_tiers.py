@@ -112,5 +112,5 @@ class LedgerTiers:
     def _put(self, ledger: Ledger, owner: str, key: str, size: int, ttl: float | None) -> None:
         if key in ledger.entries:
             ledger.forget(key)
-        ledger.room(size)
+        ledger.room(size, owner)
         ledger.add(owner, key, size, ttl, self.now())

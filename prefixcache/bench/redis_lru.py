@@ -48,7 +48,7 @@ class RedisLedger(Ledger):
         del self.used[key]
         return super().forget(key)
 
-    def room(self, size: int) -> list[tuple[str, Entry]]:
+    def room(self, size: int, owner: str) -> list[tuple[str, Entry]]:  # Redis's policy knows no owner
         now = self.now()
         while self.expiry and self.expiry[0][0] <= now:
             at, key = heapq.heappop(self.expiry)

@@ -43,7 +43,7 @@ class DiskTier:
             if size > budget_bytes:
                 os.unlink(self._path(owner, key))
                 continue
-            self._evict(size)
+            self._evict(size, owner)
             self.index.add(owner, key, size, None, 0.0)  # expiry times are lost on restart
 
     def keys(self) -> list[str]:
@@ -72,7 +72,7 @@ class DiskTier:
             return []
         if key in self.index.entries:
             self.delete(key)
-        evicted = self._evict(len(data))
+        evicted = self._evict(len(data), owner)
         path = self._path(owner, key)
         tmp = path + ".tmp"
         try:
@@ -109,8 +109,8 @@ class DiskTier:
             shutil.rmtree(os.path.join(self.root, owner), ignore_errors=True)
         return gone
 
-    def _evict(self, incoming: int) -> list[str]:
-        evicted = self.index.room(incoming)
+    def _evict(self, incoming: int, owner: str) -> list[str]:
+        evicted = self.index.room(incoming, owner)
         self._unlink([(e.owner, k) for k, e in evicted])
         return [k for k, _ in evicted]
 

@@ -142,7 +142,7 @@ def test_the_redis_model_evicts_by_sampling_within_a_second_and_by_age_across_se
     now = [0.0]
     def fill(ledger, start: int, n: int):
         for i in range(start, start + n):
-            ledger.room(100)
+            ledger.room(100, "o")
             ledger.add("o", f"k{i}", 100, 3600, now[0])
     same_second = RedisLedger(100 * 100, lambda: now[0], seed=1)
     fill(same_second, 0, 200)  # 100 fit; all written in one second: which survive is a draw

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from prefixcache import LLM
 from prefixcache.cache.credentials import SECRET_FILE, TIER_SECRET_ENV, tier_secret
+from prefixcache.cache.disk import DiskTier
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.record import BadRecord, Record, decode, encode
 from prefixcache.cache.remote import PREFIX
@@ -471,3 +472,17 @@ def _prepared(engine, prompt):
     seq = Sequence(prompt, GREEDY, engine.scope())
     engine.blocks.prepare(seq)
     return seq
+
+
+def test_a_tenants_flood_of_unique_prompts_turns_over_its_own_disk_blocks(tmp_path):
+    """L2 of 10 blocks: b keeps 3 there, then a writes 20 unique ones. a, the largest holder, gives up its own least
+    recently used blocks: b's stay (one LRU over everyone used to turn them over after a's first 7)."""
+    disk = DiskTier(str(tmp_path), 10 * 1000)
+    for i in range(3):
+        disk.put("b", f"b{i}", b"x" * 1000, None)
+    evicted = [k for i in range(20) for k in disk.put("a", f"a{i}", b"x" * 1000, None)]
+    assert all(disk.get("b", f"b{i}") == b"x" * 1000 for i in range(3))
+    assert evicted == [f"a{i}" for i in range(13)] and disk.index.held == {"a": 7000, "b": 3000}
+    for i in range(8):  # b may grow to its equal part, taking from a, the one over its part
+        disk.put("b", f"b{3 + i}", b"x" * 1000, None)
+    assert disk.index.held == {"a": 5000, "b": 5000}
