@@ -164,7 +164,7 @@ def test_the_redis_model_drops_expired_keys_before_it_evicts():
     for i in range(10):
         ledger.add("o", f"old{i}", 100, 5 if i < 4 else 3600, now[0])
     now[0] = 10.0
-    assert [k for k, _ in ledger.room(400)] == [] and len(ledger.entries) == 6 and ledger.bytes == 600
+    assert [k for k, _ in ledger.room(400, "o")] == [] and len(ledger.entries) == 6 and ledger.bytes == 600
     assert ledger.get("o", "old0", now[0]) is None and ledger.get("o", "old9", now[0]) is not None
 
 
