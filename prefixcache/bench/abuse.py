@@ -9,6 +9,7 @@ high-water mark (VmHWM) is that attack's. Writes bench/results/abuse.{json,md}. 
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -29,19 +30,26 @@ MESSAGES = {"model": "default", "messages": [{"role": "user", "content": "Hi"}],
 ASK = {"model": "default", "messages": [{"role": "user", "content": "Count from one to thirty in words."}],
        "max_tokens": 32, "temperature": 0, "stream": True}
 BIG = "tenant " * (MAX_STRING // 7)  # a string prompt at the cap on any one string
-HOG = [("/v1/completions", {**PROMPT, "max_tokens": 256, "ignore_eos": True, "stream": True})]
+HOG = [("POST", "/v1/completions", {**PROMPT, "max_tokens": 256, "ignore_eos": True, "stream": True})]
+UNREAD = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2000, "n": 4,
+          "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 20}  # the largest chunks, never read
 KEYS_IDS = {"path": "/v1/completions", "body": {**PROMPT, "prompt": [1000 + i % 39000 for i in range(140_000)]}}
 ATTACKS = {  # name -> (a's concurrent clients, the requests each sends in turn)
-    "n bomb": (4, [("/v1/completions", {**PROMPT, "n": 100_000_000})]),
-    "bad_words bomb": (4, [("/v1/completions", {**PROMPT, "bad_words": ["word"] * 100_000}),
-                           ("/v1/completions/render", {**PROMPT, "bad_words": ["word"] * 100_000})]),
-    "stop_sequences bomb": (4, [("/v1/messages", {**MESSAGES, "stop_sequences": ["s"] * 100_000})]),
+    "n bomb": (4, [("POST", "/v1/completions", {**PROMPT, "n": 100_000_000})]),
+    "bad_words bomb": (4, [("POST", "/v1/completions", {**PROMPT, "bad_words": ["word"] * 100_000}),
+                           ("POST", "/v1/completions/render", {**PROMPT, "bad_words": ["word"] * 100_000})]),
+    "stop_sequences bomb": (4, [("POST", "/v1/messages", {**MESSAGES, "stop_sequences": ["s"] * 100_000})]),
     "capacity hog, at capacity": (80, HOG),  # max_num_seqs + max_queue, the server's defaults
     "capacity hog, over it": (96, HOG),
-    "prompts at the string cap": (4, [("/v1/completions", {**PROMPT, "prompt": BIG})]),
-    "cache keys bomb, token ids": (4, [("/v1/cache/keys", KEYS_IDS)]),  # 0.9 MB: under the 1 MiB body cap
-    "cache keys bomb, a prompt at the string cap": (4, [("/v1/cache/keys", {"path": "/v1/completions",
-                                                              "body": {**PROMPT, "prompt": BIG}})]),
+    "prompts at the string cap": (4, [("POST", "/v1/completions", {**PROMPT, "prompt": BIG})]),
+    "cache keys bomb, token ids": (4, [("POST", "/v1/cache/keys", KEYS_IDS)]),  # 0.9 MB: under the 1 MiB body cap
+    "cache keys bomb, a prompt at the string cap": (4, [("POST", "/v1/cache/keys", {"path": "/v1/completions",
+                                                                      "body": {**PROMPT, "prompt": BIG}})]),
+    # issue 57: what a request leaves behind or holds
+    "unread streams": (4, [("UNREAD", "/v1/chat/completions", UNREAD)]),
+    "big bodies": (3, [("POST", "/v1/completions", {**PROMPT, "prompt": "tenant " * 3000, "n": 4,
+                                                    "prompt_logprobs": 20})]),  # about 250,000 logprob entries
+    "purge flood": (4, [("DELETE", "/v1/cache", None)]),
 }
 
 
@@ -132,15 +140,19 @@ def attack(url: str, key: str, name: str) -> dict:
     process's CPU seconds from their start. The clients' threads are daemons: what is in flight when the input closes
     is cut off as the process exits."""
     clients, bodies = ATTACKS[name]
-    requests = [(path, json.dumps(body).encode()) for path, body in bodies]  # encoded once: the client's CPU is b's too
+    # encoded once: the client's CPU is b's too
+    requests = [(method, path, body and json.dumps(body).encode()) for method, path, body in bodies]
     statuses: dict[int, int] = {}
 
     def run() -> None:
         with httpx.Client(base_url=url, timeout=600, headers={"Authorization": f"Bearer {key}",
                                                               "Content-Type": "application/json"}) as c:
             while True:
-                for path, body in requests:
-                    with c.stream("POST", path, content=body) as r:
+                for method, path, body in requests:
+                    if method == "UNREAD":
+                        unread(url, key, path, body)
+                        continue
+                    with c.stream(method, path, content=body) as r:
                         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
                         for _ in r.iter_raw():
                             pass
@@ -152,6 +164,19 @@ def attack(url: str, key: str, name: str) -> dict:
     sys.stdin.read()
     t = os.times()
     return {"statuses": statuses, "cpu_s": t.user + t.system - t0.user - t0.system}
+
+
+def unread(url: str, key: str, path: str, body: bytes) -> None:
+    """A streamed request whose client reads its status line and nothing more, for longer than the server's
+    --stream-stall-timeout (30 s), with a small receive window so that the server's writes block soon."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, int(port)))
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: "
+                  f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        s.recv(12)
+        time.sleep(40)
 
 
 def main() -> None:
