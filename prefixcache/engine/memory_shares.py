@@ -5,10 +5,10 @@ evicts another's cached prefixes while that one holds no more than its part.
 Room for a tenant is made from its own entries and those of tenants over their part alone (BlockManager.reserve,
 with the pages of running sequences from `running_pages`); when that is not enough, the newest running sequence of
 the tenant furthest over its part is preempted (`over`, `newest`), its computed blocks kept cached, where that
-eviction may then take them. Only when no tenant is over its part does room come from anyone's entries, and does
-memory pressure preempt the tenant whose running sequences hold the most pages over its part (`heaviest`). A request
-is admitted the same way: it may preempt another tenant over its part, and waits while its own tenant is the one
-over.
+eviction may then take them; when no tenant is, the tenant whose running sequences hold the most pages over its part
+(`heaviest`). Room comes from anyone's entries only for a tenant's one running sequence, so that any request can
+run. A request is admitted the same way: it may preempt another tenant over its part, and otherwise waits, unless
+its tenant has nothing running.
 """
 from collections import Counter
 

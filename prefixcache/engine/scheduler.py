@@ -96,10 +96,10 @@ class Scheduler:
                 continue
             while not self.blocks.grow(seq, n):  # room from its own entries and those of tenants over their part
                 victim = newest(self.running, over(self.running, self.blocks, self.shares))
-                if victim is None:  # no tenant is over its part: room from anyone's entries, as it comes
-                    if self.blocks.grow(seq, n, protect=False):
-                        break
-                    victim = heaviest(self.running, self.blocks, self.shares)
+                if victim in (None, seq):
+                    if self._alone(seq) and self.blocks.grow(seq, n, protect=False):
+                        break  # a tenant's one sequence runs, whatever it needs: room from anyone's entries
+                    victim = victim or heaviest(self.running, self.blocks, self.shares)
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -303,17 +303,22 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, m, first: int, keep: frozenset[int]) -> bool:
         """Admit a request (BlockManager.admit) by memory shares (engine/memory_shares.py): room from its tenant's
-        entries and those of tenants over their part, else by preempting (outside `keep`) the sequences of tenants
-        over their part; if none is, from anyone's entries. False: it waits (its own tenant is over its part)."""
+        entries and those of tenants over their part, else by preempting (outside `keep`) the sequences of other
+        tenants over their part; from anyone's entries only for a tenant with nothing running. False: it waits."""
         while not self.blocks.admit(seq, m, first):
             tenants = over(self.running, self.blocks, self.shares)
-            if not tenants:
-                return self.blocks.admit(seq, m, first, protect=False)
             victim = newest(self.running, tenants, keep)
-            if seq.scope.tenant in tenants or victim is None:  # those over run only in this step: next time
+            if seq.scope.tenant not in tenants and victim is not None:
+                self.preempt(victim)
+            elif self._alone(seq):  # a tenant's one sequence runs, whatever it needs: room from anyone's entries
+                return self.blocks.admit(seq, m, first, protect=False)
+            else:  # its tenant is over its part, or those over run only in this step: it waits
                 return False
-            self.preempt(victim)
         return True
+
+    def _alone(self, seq: Sequence) -> bool:
+        """No other sequence of its tenant runs."""
+        return all(s is seq or s.scope.tenant != seq.scope.tenant for s in self.running)
 
     def _prefill_shares(self) -> PrefillShares:
         """This step's prefill caps (a deficit round robin over engine use): while two tenants or more have work
