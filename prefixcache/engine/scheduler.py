@@ -2,14 +2,15 @@
 
 The running slots (`max_num_seqs`) are shared by tenant weight (their `cache_share`s, equal by default; see
 cache/shares.py `guarantees`): a tenant with a request waiting and fewer slots than its part takes them from the
-tenant furthest over its own part (whose newest sequences are preempted, their computed blocks kept cached), and
-the KV pool by memory shares (engine/memory_shares.py): no tenant's running work evicts another's cached prefixes
-under its part; memory pressure preempts the tenant furthest over its own. A
-request that does not fit (slots or memory) is passed over, not waited for, until it has been passed over
-`fairness_steps` times; then it goes first and nothing overtakes it (unless its tenant holds its part while another
-waits below its own). While tenants share the engine, a step holds back the decode rows that would slow another
-tenant's tokens more than `--tenant-slowdown` (engine/slowdown.py), and a short request of a tenant with nothing in
-the step under way runs inside it (lane()), on the slot of a held-back sequence if its tenant is below its part.
+tenant furthest over its own part (whose newest sequences are preempted, their computed blocks kept cached), and the
+KV pool by memory shares (engine/memory_shares.py): no tenant's running work evicts another's cached prefixes under
+its part; memory pressure preempts the tenant furthest over its own. A request that does not fit (slots or memory)
+is passed over, not waited for, until it has been passed over `fairness_steps` times; then it goes first and nothing
+overtakes it (unless its tenant holds its part while another waits below its own); one waiting for memory holds back
+its own tenant's requests alone. While tenants share the engine, a step holds back the decode rows that would slow
+another tenant's tokens more than `--tenant-slowdown` (engine/slowdown.py), and a short request of a tenant with
+nothing in the step under way runs inside it (lane()), on the slot of a held-back sequence if its tenant is below
+its part.
 
 Given latency objectives (a Pace), fairness still decides whose request goes next, and the objectives how much
 prefill a step takes: what fits in the slack of the sequences it decodes, plus the requests whose first token would
