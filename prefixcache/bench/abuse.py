@@ -141,7 +141,7 @@ def attack(url: str, key: str, name: str) -> dict:
     is cut off as the process exits."""
     clients, bodies = ATTACKS[name]
     # encoded once: the client's CPU is b's too
-    requests = [(method, path, body and json.dumps(body).encode()) for method, path, body in bodies]
+    requests = [(method, path, None if body is None else json.dumps(body).encode()) for method, path, body in bodies]
     statuses: dict[int, int] = {}
 
     def run() -> None:

@@ -38,7 +38,7 @@ class Update:
 
     def merge(self, later: "Update") -> None:
         """Take in the same sample's next update (this one was not read yet)."""
-        assert later.index == self.index and self.output is None and self.error is None is later.error
+        assert later.index == self.index and self.output is None and self.error is None and later.error is None
         self.text += later.text
         self.times += later.times
         self.logprobs += later.logprobs
