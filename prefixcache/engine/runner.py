@@ -7,7 +7,7 @@ import torch
 from prefixcache import kernels
 from prefixcache.cache.pool import KVPool
 from prefixcache.config import Config
-from prefixcache.engine.sampler import logprob, row_stats
+from prefixcache.engine.sampler import ranked_logprobs
 from prefixcache.engine.sequence import Sequence
 from prefixcache.models.attention import Queries
 from prefixcache.models.llama import Batch, Llama
@@ -67,14 +67,13 @@ class ModelRunner:
     def prompt_logprobs(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens after positions start.. (whose hidden states these are). The LM head runs on
         at most head_rows rows per call: the row counts the exactness probe verified for it."""
-        rows = self.head_rows
-        for i in range(0, len(hidden), rows):
-            logits = self.model.logits(hidden[i:i + rows]).float()
+        for i in range(0, len(hidden), self.head_rows):
+            logits = self.model.logits(hidden[i:i + self.head_rows]).float()
             p = start + i + 1
             targets = seq.tokens[p:p + len(logits)]
-            seq.prompt_logprobs[p:p + len(targets)] = [
-                logprob(row, row_stats(self.model.ops, row), t, seq.params.prompt_logprobs, ranked=True)
-                for row, t in zip(logits, targets)]
+            assert len(targets) == len(logits), "a prompt logprob row past the prompt"
+            seq.prompt_logprobs[p:p + len(targets)] = ranked_logprobs(self.model.ops, logits, targets,
+                                                                      seq.params.prompt_logprobs)
 
 
 def choose_ops(config: Config, head_dim: int) -> tuple[KernelOps | TorchOps, str]:

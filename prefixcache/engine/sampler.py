@@ -117,12 +117,27 @@ def row_stats(ops: TorchOps | KernelOps, row: torch.Tensor) -> tuple[float, floa
     return best, logsum, int(argmax[0])
 
 
-def logprob(row: torch.Tensor, stats: tuple[float, float, int], token: int, k: int,
-            ranked: bool = False) -> TokenLogprob:
-    """A token's raw logprob (log_softmax of its row of logits, whose row_stats these are), the k likeliest tokens'
-    and, if `ranked`, its rank."""
-    best, logsum, _ = stats
+def logprob(row: torch.Tensor, stats: tuple[float, float, int], token: int, k: int) -> TokenLogprob:
+    """A token's raw logprob (log_softmax of its row of logits, whose row_stats these are) and the k likeliest
+    tokens'."""
     top = torch.topk(row, k) if k else None
-    return TokenLogprob(token, float(row[token]) - best - logsum, tuple(
-        (t, x - best - logsum) for t, x in zip(top.indices.tolist(), top.values.tolist())) if k else (),
-        int((row > row[token]).sum()) + 1 if ranked else None)
+    return _entry(stats, token, float(row[token]), top.indices.tolist() if k else [], top.values.tolist() if k else [])
+
+
+def ranked_logprobs(ops: TorchOps | KernelOps, rows: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """logprob() of each row of logits [rows, vocab] and its token, with the token's rank: the top k and the ranks of
+    all the rows at once (a row's are its own), each row's stats a row at a time (TorchOps' sums depend on the call's
+    rows)."""
+    own = rows.gather(1, torch.tensor(tokens)[:, None])
+    ranks = ((rows > own).sum(1) + 1).tolist()
+    top = torch.topk(rows, k, dim=1) if k else None
+    ids, values = (top.indices.tolist(), top.values.tolist()) if k else ([[]] * len(tokens), [[]] * len(tokens))
+    return [_entry(row_stats(ops, row), t, x, i, v, r)
+            for row, t, x, i, v, r in zip(rows, tokens, own[:, 0].tolist(), ids, values, ranks)]
+
+
+def _entry(stats: tuple[float, float, int], token: int, value: float, top_ids: list[int], top_values: list[float],
+           rank: int | None = None) -> TokenLogprob:
+    best, logsum, _ = stats
+    top = tuple((t, x - best - logsum) for t, x in zip(top_ids, top_values))
+    return TokenLogprob(token, value - best - logsum, top, rank)
