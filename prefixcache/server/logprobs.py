@@ -11,6 +11,7 @@ from tokenizers import decoders
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from prefixcache.engine.sequence import SamplingParams, TokenLogprob
+from prefixcache.server.body import Items
 from prefixcache.server.caps import MAX_LOGPROB_ENTRIES
 from prefixcache.server.errors import ApiError
 
@@ -41,6 +42,7 @@ class TokenText:
         self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids: a token shows as "token_id:N"
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.byte_level = isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
+        self.texts: dict[int, str] = {}  # a body names the same tokens many times (each prompt token's top 20)
 
     def bytes(self, token: int) -> bytes:
         if self.as_ids:
@@ -51,7 +53,10 @@ class TokenText:
         return self.tokenizer.decode([token]).encode()
 
     def text(self, token: int) -> str:
-        return self.bytes(token).decode("utf-8", errors="replace")
+        text = self.texts.get(token)
+        if text is None:
+            text = self.texts[token] = self.bytes(token).decode("utf-8", errors="replace")
+        return text
 
 
 def chat_logprobs(tt: TokenText, entries: list[TokenLogprob]) -> dict:
@@ -59,8 +64,11 @@ def chat_logprobs(tt: TokenText, entries: list[TokenLogprob]) -> dict:
     def item(token: int, logprob: float) -> dict:
         return {"token": tt.text(token), "logprob": _value(logprob), "bytes": list(tt.bytes(token))}
 
-    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                        for e in entries], "refusal": None}
+    def entry(i: int) -> dict:
+        e = entries[i]
+        return {**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+
+    return {"content": Items(len(entries), entry), "refusal": None}
 
 
 @dataclass
@@ -77,17 +85,23 @@ class CompletionLogprobs:
         for text in texts:
             offsets.append(self.offset)
             self.offset += len(text)
+        def top(i: int) -> dict | None:
+            e = entries[i]
+            return e and {self.tt.text(t): _value(lp) for t, lp in (*e.top, (e.token, e.logprob))}
+
         return {"tokens": texts, "token_logprobs": [e and _value(e.logprob) for e in entries],
-                "top_logprobs": [e and {self.tt.text(t): _value(lp) for t, lp in (*e.top, (e.token, e.logprob))}
-                                 for e in entries],
-                "text_offset": offsets}
+                "top_logprobs": Items(len(entries), top), "text_offset": offsets}
 
 
-def prompt_logprobs(tt: TokenText, entries: list[TokenLogprob | None]) -> list[dict | None]:
+def prompt_logprobs(tt: TokenText, entries: list[TokenLogprob | None]) -> Items:
     """vLLM's `prompt_logprobs`: per prompt token (None for the first), {token id: {logprob, rank, decoded_token}} for
     the most likely tokens and the prompt's own."""
     def item(logprob: float, rank: int | None, token: int) -> dict:
         return {"logprob": _value(logprob), "rank": rank, "decoded_token": tt.text(token)}
 
-    return [None if e is None else {**{str(t): item(lp, r, t) for r, (t, lp) in enumerate(e.top, 1)},
-                                    str(e.token): item(e.logprob, e.rank, e.token)} for e in entries]
+    def entry(i: int) -> dict | None:
+        e = entries[i]
+        return None if e is None else {**{str(t): item(lp, r, t) for r, (t, lp) in enumerate(e.top, 1)},
+                                       str(e.token): item(e.logprob, e.rank, e.token)}
+
+    return Items(len(entries), entry)

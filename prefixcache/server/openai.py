@@ -138,7 +138,7 @@ class Reply:
 
     def _sse(self, choices: list[dict], use: dict | None = None) -> str:
         chunk = {**self.base, "object": "chat.completion.chunk" if self.chat else "text_completion"}
-        return f"data: {json.dumps({**chunk, 'choices': choices, 'usage': use})}\n\n"
+        return f"data: {json.dumps({**chunk, 'choices': choices, 'usage': use}, default=list)}\n\n"
 
     def _logprobs(self, i: int, tokens: list[int], entries: list) -> dict | None:
         if self.params.logprobs is None:

@@ -1,6 +1,7 @@
 """Logprobs, n > 1 / best_of and penalties through the server, with the official openai client: OpenAI's formats,
 bit-identical logprobs warm and cold, echo's recomputed prompt logprobs, one prefill for n samples, and each
 sampling field reaching the sampler (the offline engine on the same weights gives the expected output)."""
+import asyncio
 import json
 import uuid
 from itertools import accumulate
@@ -11,6 +12,7 @@ from server_fixtures import prompt_tokens_computed
 
 from prefixcache import SamplingParams
 from prefixcache.engine.sequence import TokenLogprob
+from prefixcache.server.body import json_body
 from prefixcache.server.logprobs import FLOOR, CompletionLogprobs, TokenText, chat_logprobs
 
 PROMPT = [5000 + 37 * i % 9000 for i in range(30)]  # the tiny model is unsure after it: samples differ by seed
@@ -138,6 +140,6 @@ def test_a_logprob_of_minus_infinity_is_floored_so_the_json_is_valid(tiny_srv):
     """A structured-output guide masks tokens to -inf before logprobs are taken; JSON has no -inf."""
     tt = TokenText(tiny_srv.server.tokenizer)
     entry = TokenLogprob(5, -0.5, ((5, -0.5), (6, float("-inf"))))
-    chat, completion = chat_logprobs(tt, [entry]), CompletionLogprobs(tt)([5], [entry])
+    body = asyncio.run(json_body([chat_logprobs(tt, [entry]), CompletionLogprobs(tt)([5], [entry])]))
+    chat, completion = json.loads(body)  # and the JSON is valid: json_body allows no NaN or infinity
     assert chat["content"][0]["top_logprobs"][1]["logprob"] == FLOOR == completion["top_logprobs"][0][tt.text(6)]
-    json.dumps([chat, completion], allow_nan=False)
