@@ -34,6 +34,7 @@ HOG = [("POST", "/v1/completions", {**PROMPT, "max_tokens": 256, "ignore_eos": T
 UNREAD = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2000, "n": 4,
           "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 20}  # the largest chunks, never read
 KEYS_IDS = {"path": "/v1/completions", "body": {**PROMPT, "prompt": [1000 + i % 39000 for i in range(140_000)]}}
+LONG = {**PROMPT, "prompt": "tenant " * 3000, "n": 4}  # prompt logprobs recompute the prompt: a prefill each time
 ATTACKS = {  # name -> (a's concurrent clients, the requests each sends in turn)
     "n bomb": (4, [("POST", "/v1/completions", {**PROMPT, "n": 100_000_000})]),
     "bad_words bomb": (4, [("POST", "/v1/completions", {**PROMPT, "bad_words": ["word"] * 100_000}),
@@ -47,8 +48,8 @@ ATTACKS = {  # name -> (a's concurrent clients, the requests each sends in turn)
                                                                       "body": {**PROMPT, "prompt": BIG}})]),
     # issue 57: what a request leaves behind or holds
     "unread streams": (4, [("UNREAD", "/v1/chat/completions", UNREAD)]),
-    "big bodies": (3, [("POST", "/v1/completions", {**PROMPT, "prompt": "tenant " * 3000, "n": 4,
-                                                    "prompt_logprobs": 20})]),  # about 250,000 logprob entries
+    "big bodies": (3, [("POST", "/v1/completions", {**LONG, "prompt_logprobs": 20})]),  # 250,000 logprob entries
+    "long prompts, small bodies": (3, [("POST", "/v1/completions", {**LONG, "prompt_logprobs": 0})]),  # the control
     "purge flood": (4, [("DELETE", "/v1/cache", None)]),
 }
 
