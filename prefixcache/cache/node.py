@@ -1,7 +1,9 @@
 """The prefix cache's entries, as every cache (cache/base.py), its users and its listeners see them: Node (one
 cached block, a node of the tree), Match (a cached prefix of a request) and Listener (told of full blocks entering
-and leaving the cache).
+and leaving the cache), and the prefixes that saved the most (most_saved).
 """
+import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,3 +45,22 @@ class Listener(Protocol):
 
     def thinned(self, node: Node) -> None:
         """A full block's local part (cache/pool.py) is evicted for room, the block staying (its K/V still held)."""
+
+
+def most_saved(nodes: Iterable[Node], n: int) -> list[tuple[Node, int]]:
+    """The n cached prefixes that saved the most prefill: (its last block, tokens), by hits x tokens. A prefix counts
+    where its reuse ends: at a block reused more often than any of its children."""
+    depth: dict[bytes, int] = {}
+
+    def tokens(v: Node) -> int:  # the prefix's length, memoized up the chain
+        chain = []
+        while v.tokens and v.key not in depth:
+            chain.append(v)
+            v = v.parent
+        total = depth.get(v.key, 0) if v.tokens else 0
+        for u in reversed(chain):
+            total = depth[u.key] = total + len(u.tokens)
+        return total
+
+    ends = (v for v in nodes if v.hits > max((c.hits for c in v.children.values()), default=0))
+    return [(v, depth[v.key]) for v in heapq.nlargest(n, ends, key=lambda v: v.hits * tokens(v))]

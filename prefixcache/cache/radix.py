@@ -5,9 +5,7 @@ Partial blocks (fewer than block_size tokens) hang off the tree as leaves; a hit
 block, is served by copying those tokens (copy-on-write).
 
 Every node holds one pool reference on its block; a running sequence holds its own. A node may be evicted only
-when it is an unpinned leaf whose block nobody else references. Eviction takes expired entries first, then from
-the owner group furthest over its guaranteed share of the pool (cache/shares.py), then lower priority, then least
-recently used.
+when it is an unpinned leaf whose block nobody else references, in cache/eviction.py's order.
 
 With local layers (cache/pool.py), a node also holds its block's local part while it can: an unpinned node's local
 part that no sequence reads may be evicted alone, in the same order, wherever the node is in the tree. A hit is
@@ -18,18 +16,17 @@ owner (the engine uses tenant and labels), so that an owner's entries can be pur
 Listeners hear of every full block that enters or leaves (while its block still holds its K/V): the engine's tiers
 below host memory and KV events. What explains a miss is kept in cache/misses.py.
 """
-import heapq
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 
 import numpy as np
 
+from prefixcache.cache.eviction import evict
 from prefixcache.cache.keys import block_key
 from prefixcache.cache.misses import Misses
-from prefixcache.cache.node import Listener, Match, Node
+from prefixcache.cache.node import Listener, Match, Node, most_saved
 from prefixcache.cache.pool import KVPool
-from prefixcache.cache.shares import Victims
 
 
 class PrefixCache:
@@ -150,23 +147,8 @@ class PrefixCache:
         self.touch(nodes)
 
     def top(self, n: int) -> list[tuple[Hashable, Node, int]]:
-        """The n cached prefixes that saved the most prefill: (owner, its last block, tokens), by hits x tokens. A
-        prefix counts where its reuse ends: at a block reused more often than any of its children."""
-        depth: dict[bytes, int] = {}
-
-        def tokens(v: Node) -> int:  # the prefix's length, memoized up the chain
-            chain = []
-            while v.tokens and v.key not in depth:
-                chain.append(v)
-                v = v.parent
-            total = depth.get(v.key, 0) if v.tokens else 0
-            for u in reversed(chain):
-                total = depth[u.key] = total + len(u.tokens)
-            return total
-
-        ends = (v for v in self.nodes.values() if v.hits > max((c.hits for c in v.children.values()), default=0))
-        best = heapq.nlargest(n, ends, key=lambda v: v.hits * tokens(v))
-        return [(self.scopes[v.scope][0], v, depth[v.key]) for v in best]
+        """The n cached prefixes that saved the most prefill: (owner, its last block, tokens) (cache/node.py)."""
+        return [(self.owner(v), v, tokens) for v, tokens in most_saved(self.nodes.values(), n)]
 
     def pages_by_owner(self) -> Counter:
         held: Counter = Counter()
@@ -188,39 +170,11 @@ class PrefixCache:
         self.shares, self.group = dict(shares), group
 
     def evict(self, n_pages: int, using: Counter | None = None, asking: Hashable | None = None) -> int:
-        """Free up to n_pages by dropping evictable leaves and local parts; returns how many pages were freed.
-        Expired entries go first; then the owner group furthest over its guaranteed share (without shares: an
-        equal share, so the group holding the most) gives up its own; within it, lower priority, then least
-        recently used, a node's local part before the node. `using`: pages each owner holds outside the cache
-        (running sequences'), which count towards its group's share; for an owner `asking` for room, no other group
-        at or under its share loses an unexpired entry."""
-        now = self.clock()
-        ranks = [(self.owner(n), _rank(n, now, whole=True)) for n in self.nodes.values() if self._evictable(n)]
-        ranks += [(self.owner(n), _rank(n, now, whole=False)) for n in self.nodes.values() if self._local_evictable(n)]
-        victims = Victims(self.pages_by_owner(), self.shares, self.group, self.pool.usable_blocks, ranks, using,
-                          asking)
-        freed = 0
-        while freed < n_pages and victims and (victim := victims.pop()) is not None:
-            owner, rank = victim
-            node, whole = rank[-1], rank[-3]
-            if not whole:
-                if self._local_evictable(node):
-                    if len(node.tokens) == self.bs:
-                        for listener in self.listeners:
-                            listener.thinned(node)
-                    dropped = self._drop_local(node)
-                    victims.took(owner, dropped)
-                    freed += dropped
-                continue
-            if not self._evictable(node):
-                continue
-            parent = node.parent
-            dropped = self._remove(node, "ttl" if rank[0] == 0 else "capacity")
-            victims.took(owner, dropped)
-            freed += dropped
-            if parent is not None and parent.parent is not None and self._evictable(parent):
-                victims.push(self.owner(parent), _rank(parent, now, whole=True))
-        return freed
+        """Free up to n_pages by dropping evictable leaves and local parts, in the order of cache/eviction.py;
+        returns how many pages were freed. `using`: pages each owner holds outside the cache (running sequences'),
+        which count towards its group's share; for an owner `asking` for room, no other group at or under its share
+        loses an unexpired entry."""
+        return evict(self, n_pages, using, asking)
 
     def purge(self, scope: bytes) -> int:
         """Drop every unreferenced entry of one scope. Returns blocks freed."""
@@ -241,22 +195,18 @@ class PrefixCache:
         """True if any scope holds a full-block path of exactly these tokens (len a multiple of block_size)."""
         return self.misses.holds(tokens, self.bs)
 
-    def _purge(self, scopes: set[bytes]) -> int:
+    def _purge(self, scopes: set[bytes] | None, reason: str = "purge") -> int:
+        """Drop every unreferenced entry of these scopes (None: of all)."""
         freed = 0
-        for node in sorted((n for n in self.nodes.values() if n.scope in scopes), key=_depth, reverse=True):
-            if not node.children and self.pool.refs[node.block] == 1:
-                self._remove(node, "purge")
+        for node in sorted(self.nodes.values(), key=_depth, reverse=True):
+            if (scopes is None or node.scope in scopes) and not node.children and self.pool.refs[node.block] == 1:
+                self.remove(node, reason)
                 freed += 1
         return freed
 
     def clear(self) -> int:
         """Drop every unreferenced entry. Returns blocks freed."""
-        freed = 0
-        for node in sorted(self.nodes.values(), key=_depth, reverse=True):
-            if not node.children and self.pool.refs[node.block] == 1:
-                self._remove(node, "clear")
-                freed += 1
-        return freed
+        return self._purge(None, "clear")
 
     def pin(self, nodes: list[Node], pinned: bool = True) -> None:
         for n in nodes:
@@ -279,11 +229,11 @@ class PrefixCache:
     def num_scopes(self) -> int:
         return len(self.scopes)
 
-    # ---- helpers ------------------------------------------------------------------------------------------
-    def _evictable(self, node: Node) -> bool:
+    # ---- for eviction (cache/eviction.py) and the tiers ---------------------------------------------------
+    def evictable(self, node: Node) -> bool:
         return node.alive and not node.children and not node.pinned and self.pool.refs[node.block] == 1
 
-    def _local_evictable(self, node: Node) -> bool:
+    def local_evictable(self, node: Node) -> bool:
         return node.alive and node.local and not node.pinned and self.pool.local_refs[node.block] == 1
 
     def attach_local(self, node: Node) -> None:
@@ -293,13 +243,13 @@ class PrefixCache:
         node.local = True
         self.scopes[node.scope][3] += self.pool.local_pages
 
-    def _drop_local(self, node: Node) -> int:
+    def drop_local(self, node: Node) -> int:
         node.local = False
         self.scopes[node.scope][3] -= self.pool.local_pages
         self.pool.unref_local(node.block)
         return self.pool.local_pages
 
-    def _remove(self, node: Node, reason: str) -> int:
+    def remove(self, node: Node, reason: str) -> int:
         assert not node.children and node.alive
         if len(node.tokens) == self.bs:
             for listener in self.listeners:
@@ -312,7 +262,7 @@ class PrefixCache:
             del self.roots[node.parent.key]
         self.evictions[reason] += 1
         self.misses.removed(node.key, node.content, reason)
-        freed = self._drop_local(node) if node.local else 0
+        freed = self.drop_local(node) if node.local else 0
         entry = self.scopes[node.scope]
         entry[1] -= 1
         entry[3] -= 1
@@ -321,12 +271,6 @@ class PrefixCache:
             del self.scopes[node.scope]
         self.pool.unref(node.block)
         return 1 + freed
-
-
-def _rank(node: Node, now: float, whole: bool) -> tuple:
-    """Eviction order within an owner: expired first (0), then lower priority, then least recently used; a local
-    part (whole False) before its node."""
-    return (0 if node.expires_at <= now else 1, node.priority, node.last_access, whole, id(node), node)
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -9,10 +9,8 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from concurrent.futures import FIRST_COMPLETED, wait
 
-import numpy as np
-
 from prefixcache.cache.base import Cache
-from prefixcache.cache.keys import block_key, chain_keys
+from prefixcache.cache.keys import chain_keys
 from prefixcache.cache.node import Listener, Match, Node
 from prefixcache.cache.null import NullCache
 from prefixcache.cache.policy import WritePolicy
@@ -20,6 +18,7 @@ from prefixcache.cache.pool import KVPool
 from prefixcache.cache.radix import PrefixCache
 from prefixcache.cache.scope import CacheScope
 from prefixcache.engine.hits import Hits
+from prefixcache.engine.publish import Publisher
 from prefixcache.engine.sequence import Sequence
 from prefixcache.engine.tiering import Below, Tiering
 
@@ -38,6 +37,7 @@ class BlockManager:
         self.default_ttl = default_ttl
         self.shared_prefixes = sorted((tuple(p) for p in shared_prefixes if p), key=len, reverse=True)
         self.hits = Hits(self.cache, self.bs, log_cross_scope_misses)
+        self.publisher = Publisher(pool, self.cache, self.reserve)
         self.tiering: Tiering | None = None  # KV tiers below host memory, if any (attach)
         self.using: Callable[[], Counter] = Counter  # pages of running sequences outside the cache, by owner
         # (the scheduler's: engine/memory_shares.py)
@@ -52,7 +52,7 @@ class BlockManager:
         c.policy = WritePolicy(tuple(seq.breakpoints), seq.num_prompt, c.shared_len, self.min_cache_tokens,
                                self.default_ttl)
         n_full = len(seq.tokens) // self.bs
-        c.keys = chain_keys(seq.tokens, [self.scope_at(seq, (j + 1) * self.bs).key for j in range(n_full)], self.bs)
+        c.keys = chain_keys(seq.tokens, [seq.scope_at((j + 1) * self.bs).key for j in range(n_full)], self.bs)
 
     def attach(self, tiers: Below) -> None:
         self.tiering = Tiering(self, tiers)
@@ -93,7 +93,7 @@ class BlockManager:
         if not self.reads_cache(seq):
             limit = 0
         c = seq.cache
-        scopes = [self.scope_at(seq, (j + 1) * self.bs).key for j in range(len(c.keys))]
+        scopes = [seq.scope_at((j + 1) * self.bs).key for j in range(len(c.keys))]
         partial_scopes = (seq.scope.key, seq.scope.shared.key) if c.shared_len else (seq.scope.key,)
         return self.cache.match(seq.tokens, c.keys, scopes, partial_scopes,
                                 len(seq.tokens) - 1 if limit is None else limit)
@@ -177,42 +177,11 @@ class BlockManager:
     def publish(self, seq: Sequence, final: bool = False) -> None:
         """Make the sequence's completed blocks matchable (only once their K/V are computed); then give back the
         local parts of the blocks its local layers will not read again (the cache may keep them)."""
-        self._publish(seq, final)
+        self.publisher.publish(seq, final)
         self._trim(seq)
 
-    def _publish(self, seq: Sequence, final: bool) -> None:
-        if not self.cache.enabled:
-            return
-        c = seq.cache
-        limit = c.policy.limit(len(seq.tokens))
-        n_full = min(seq.num_computed, limit) // self.bs
-        self._extend_keys(seq, n_full)
-        for j in range(len(c.nodes), n_full):
-            end = (j + 1) * self.bs
-            ttl, label = c.policy.ttl(end)
-            scope = self.scope_at(seq, end)
-            node, created = self.cache.insert(c.nodes[-1] if j else None, c.keys[j], scope.key,
-                                              tuple(seq.tokens[j * self.bs:end]), seq.block_table[j], ttl,
-                                              seq.priority, scope.owner, scope.adapter, output=end > seq.num_prompt)
-            if node is None:
-                return
-            if node.block != seq.block_table[j] and (j not in seq.local or self.pool.has_local(node.block)):
-                self.pool.ref(node.block)  # someone published the same block first: share theirs
-                if j in seq.local:
-                    self.pool.ref_local(node.block)
-                    self.pool.unref_local(seq.block_table[j])
-                self.pool.unref(seq.block_table[j])
-                seq.block_table[j] = node.block
-            c.nodes.append(node)
-            if created:
-                self._count_write(seq, j * self.bs, end, label)
-        for p in c.policy.partial_points(limit, seq.num_computed, final, self.bs):
-            if p not in c.partials_done and p <= seq.num_computed and p // self.bs <= len(c.nodes):
-                c.partials_done.add(p)
-                self._publish_partial(seq, p)
-
     def release(self, seq: Sequence, finished: bool) -> None:
-        self._publish(seq, final=finished)
+        self.publisher.publish(seq, final=finished)
         for b in seq.block_table[seq.local.start:seq.local.stop]:
             self.pool.unref_local(b)
         for b in seq.block_table:
@@ -305,10 +274,6 @@ class BlockManager:
             self.cache.evict(n - self.pool.num_free, self.using(), seq and seq.scope.owner)
         return n <= self.pool.num_free
 
-    def scope_at(self, seq: Sequence, end: int) -> CacheScope:
-        """A block or partial ending at token `end` is shared only if it lies inside a declared shared prefix."""
-        return seq.scope.shared if end <= seq.cache.shared_len else seq.scope
-
     def _add_local(self, seq: Sequence, end: int) -> None:
         """Give the sequence's blocks up to `end` (not computed yet) their local parts (the pages are reserved)."""
         if not self.pool.local_pages:
@@ -325,57 +290,3 @@ class BlockManager:
         for b in seq.block_table[seq.local.start:start]:
             self.pool.unref_local(b)
         seq.local = range(max(seq.local.start, start), seq.local.stop)
-
-    def _publish_partial(self, seq: Sequence, p: int) -> None:
-        c = seq.cache
-        j = p // self.bs
-        tokens = tuple(seq.tokens[j * self.bs:p])
-        scope = self.scope_at(seq, p)
-        parent = c.nodes[j - 1] if j else None
-        key = block_key(parent.key if parent else b"", scope.key, np.asarray(tokens, dtype=np.int32).tobytes())
-        existing = self.cache.get(key)
-        ttl, label = c.policy.ttl(p)
-        if existing is None:
-            source, local = seq.block_table[j], self.pool.local_pages
-            if local and not self.pool.has_local(source):
-                return  # its local layers' keys are gone: a hit on it could not be served
-            if local:
-                self.pool.ref_local(source)  # held for the copy: making room may not evict it
-            block = self.pool.allocate(1)[0] if self.reserve(1 + local, seq) else None
-            if block is not None:
-                if local:
-                    self.pool.add_local(block)
-                self.pool.copy(source, block)
-            if local:
-                self.pool.unref_local(source)
-            if block is None:
-                return
-            node, created = self.cache.insert(parent, key, scope.key, tokens, block, ttl, seq.priority, scope.owner,
-                                              scope.adapter)
-            if local:
-                self.pool.unref_local(block)
-            self.pool.unref(block)  # the cache now holds the only reference
-            if created:
-                self._count_write(seq, j * self.bs, p, label)
-        else:
-            self.cache.insert(parent, key, scope.key, tokens, existing.block, ttl, seq.priority, scope.owner,
-                              scope.adapter)
-
-    def _extend_keys(self, seq: Sequence, n_full: int) -> None:
-        keys = seq.cache.keys
-        if len(keys) >= n_full:
-            return
-        start = len(keys)
-        scopes = [self.scope_at(seq, (j + 1) * self.bs).key for j in range(start, n_full)]
-        keys += chain_keys(seq.tokens[start * self.bs:n_full * self.bs], scopes, self.bs, keys[-1] if keys else b"")
-
-    def _count_write(self, seq: Sequence, start: int, end: int, label: str) -> None:
-        """Prompt tokens in [start, end) that this request wrote (not read) count as cache writes, once each:
-        a full block published over an earlier partial one counts only the tokens past it."""
-        c = seq.cache
-        begin = max(start, c.num_cached, c.write_counted)
-        n = min(end, seq.num_prompt) - begin
-        if n > 0:
-            c.write[label] = c.write.get(label, 0) + n
-            c.write_counted = begin + n
-

@@ -50,8 +50,9 @@ class CacheAdmin:
 
     def usage(self, top: int = 10) -> dict:
         """For the operator: each tenant's cached pages (cache/pool.py) and recent engine use (tokens computed, fading
-        over USAGE_HALF_LIFE), and the cached prefixes that saved the most prefill (no token text: key, size, reuse)."""
-        (held, top), recent = self.blocks.usage(top), self.scheduler.usage
+        over USAGE_HALF_LIFE, engine/usage.py), and the cached prefixes that saved the most prefill (no token text:
+        key, size, reuse)."""
+        (held, top), recent = self.blocks.usage(top), self.scheduler.usage.tokens
         tenants = sorted({t for t, _ in held} | set(recent))
         return {"tenants": [{"tenant": t, "pages": sum(n for (owner, _), n in held.items() if owner == t),
                              "recent_tokens": round(recent.get(t, 0.0), 1)} for t in tenants],

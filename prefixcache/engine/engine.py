@@ -1,5 +1,4 @@
 """The engine: one owner of all mutable state (pool, cache, queues). Callers add requests and call step()."""
-import ctypes
 import dataclasses
 import logging
 import math
@@ -12,7 +11,6 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Callable
 
 import torch
-import xxhash
 
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.pool import KVPool
@@ -26,41 +24,23 @@ from prefixcache.engine.detokenizer import Detokenizer
 from prefixcache.engine.drafter import Drafter
 from prefixcache.engine.finish import append
 from prefixcache.engine.grammar import Grammars
+from prefixcache.engine.heap import give_back_freed_heap
 from prefixcache.engine.pace import Pace
-from prefixcache.engine.runner import ModelRunner, choose_ops
+from prefixcache.engine.runner import ModelRunner, build_model
 from prefixcache.engine.sampler import RowFault, Sampler
 from prefixcache.engine.scheduler import Scheduler
-from prefixcache.engine.sequence import (
-    Fault,
-    SamplingParams,
-    Sequence,
-    Status,
-    TokenLogprob,
-    request_samples,
-)
+from prefixcache.engine.sequence import Fault, SamplingParams, Sequence, Status, TokenLogprob, request_samples
 from prefixcache.engine.speculation import Speculation
 from prefixcache.engine.step_cost import StepCost, Work
 from prefixcache.engine.tiering import open_tiers
 from prefixcache.models import lora
 from prefixcache.models.catalog import NAMES, model_path
 from prefixcache.models.cpu import check_dtype
-from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
-from prefixcache.models.probe import probe
 
 TTFT_WINDOW = 1024  # recent requests whose time to first token stats() summarizes
 
 log = logging.getLogger("prefixcache.engine")
-
-
-def _give_back_freed_heap(*_) -> None:
-    """Hand the heap freed so far back to the system, which glibc keeps for the process's next allocations: after
-    the load (the tokenizer's parse, the file's tensors before their layout, the check's fp32 copies) 250 MB of RSS
-    for SmolLM2-135M and 300 MB for Gemma 3 270M; after xgrammar's tables of the tokenizer, 50 to 150 MB more."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except AttributeError:  # a C library other than glibc
-        pass
 
 
 class StepFailed(Exception):
@@ -97,23 +77,16 @@ class Engine:
             raise ValueError("--kv-events-config: KV events need the prefix cache")
         self.events = None
         if config.kv_events_config:
-            self.events = open_events(config.kv_events_config, config.block_size, self.blocks.owner, self.lora)
+            self.events = open_events(config.kv_events_config, config.block_size, self.blocks.owner,
+                                      lambda node: lora.event_name(self.adapters.values(), self.blocks.adapter(node)))
             self.blocks.listen(self.events)
         self.cost = StepCost()
         pace = Pace(config.slo_ttft_ms and config.slo_ttft_ms / 1000, config.slo_tpot_ms and config.slo_tpot_ms / 1000,
                     self.cost) if config.slo_schedule and (config.slo_ttft_ms or config.slo_tpot_ms) else None
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens, config.fairness_steps,
                                    config.shared_chunk, pace, self.cost, config.tenant_slowdown or math.inf)
-        ops, status = choose_ops(config, c.head_dim)
-        model = Llama(weights, config.attn_tile, ops, self.max_model_len)
-        self.exactness = model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs,
-                                             status)
-        # cached KV is reused only by the same weights under the same arithmetic, stored in the same dtype (a disk or
-        # Redis tier may hold KV of other replicas: on the torch path, on kernels built from other sources, or kept
-        # in bfloat16, its bits are not ours; with the same keys, replicas would take each other's records as bad)
-        arithmetic = model.ops.arithmetic(self.exactness.cpu)
-        self.fingerprint = xxhash.xxh3_128_hexdigest(
-            f"{weights.fingerprint} {arithmetic} kv:{config.kv_storage_dtype}".encode())
+        model, self.fingerprint = build_model(config, weights, self.max_model_len)
+        self.exactness = model.exact
         # after the probe: an adapter's weights are held as the ops that passed it hold them
         self.adapters = {name: lora.load(name, folder, c, model.ops.prepare, model.norm.dtype)
                          for name, folder in config.adapters.items()}
@@ -131,8 +104,8 @@ class Engine:
         self.lane_open = False  # a step is under way that lane steps may still run inside
         self.laned = False  # a lane step ran inside the step under way
         del weights  # the file's tensors as read, laid out for the kernels since
-        _give_back_freed_heap()
-        self.grammars.info.add_done_callback(_give_back_freed_heap)
+        give_back_freed_heap()
+        self.grammars.info.add_done_callback(give_back_freed_heap)
 
     def add_request(self, prompt: list[int], params: SamplingParams, scope: CacheScope | None = None,
                     breakpoints: list[Breakpoint] = (), priority: int = 0, adapter: str = "") -> Sequence:
@@ -157,7 +130,8 @@ class Engine:
         request alone failed; every other sequence goes on). If the forward fails, its sequences are aborted (their
         blocks freed) and StepFailed names them. `between` is called before each layer of the forward; it may call
         lane_step()."""
-        failed = self._compiled()
+        failed = [s for seq, e in self.grammars.hand(self.scheduler.waiting)
+                  for s in self.fail(seq, Fault(str(e), internal=not isinstance(e, ValueError)))]
         plan = self.scheduler.schedule(time.monotonic())
         if not plan:  # nothing runnable: give lookups in the KV tiers and grammars a moment rather than spin
             self.blocks.wait_for_lookups(self.scheduler.waiting)
@@ -194,7 +168,7 @@ class Engine:
             for seq in seqs:
                 self.abort(seq)
             raise StepFailed(seqs) from e
-        self.scheduler.charge(plan)
+        self.scheduler.usage.charge(plan)
         touched = []
         for seq, n in plan:
             draft = drafts.get(seq.id, [])
@@ -258,22 +232,6 @@ class Engine:
                 self.abort(s)
         return list(seq.samples)
 
-    def _compiled(self) -> list[Sequence]:
-        """Hand the waiting requests whose grammar has compiled their matchers; fail those whose guide does not
-        compile (a 400). Returns the failed ones."""
-        failed = []
-        for seq in list(self.scheduler.waiting):
-            if not (seq.grammar and seq.grammar.done()):
-                continue
-            if seq.grammar.exception():
-                e = seq.grammar.exception()
-                failed += self.fail(seq, Fault(str(e), internal=not isinstance(e, ValueError)))
-                continue
-            grammar = seq.grammar.result()
-            for s in [seq, *seq.forks]:
-                s.matcher, s.grammar = self.grammars.matcher(grammar), None
-        return failed
-
     def abort(self, seq: Sequence) -> None:
         if seq.status is Status.FINISHED:
             return
@@ -293,12 +251,6 @@ class Engine:
         return dataclasses.replace(scope or CacheScope(), fingerprint=self.fingerprint,
                                    adapter=self.adapters[adapter].fingerprint if adapter else "")
 
-    def lora(self, node) -> tuple[int, str] | None:
-        """A cached block's LoRA adapter as vLLM's KV events name it: its place in --lora-modules from 1, its name."""
-        fingerprint = self.blocks.adapter(node)
-        return next(((i, a.name) for i, a in enumerate(self.adapters.values(), 1) if a.fingerprint == fingerprint),
-                    None) if fingerprint else None
-
     def close(self) -> None:
         """Finish the tiers' queued writes and the KV events, and stop their threads."""
         self.blocks.close()
@@ -309,17 +261,12 @@ class Engine:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def stats(self) -> dict:
-        s = self.blocks.stats()
-        s["saved_prefill_tokens"] = s["hit_tokens"]
-        s["ttft_p50"] = statistics.median(self.ttfts) if self.ttfts else None  # over the last TTFT_WINDOW
-        s["ttft_mean"] = statistics.fmean(self.ttfts) if self.ttfts else None
-        s["running"] = len(self.scheduler.running)
-        s["waiting"] = len(self.scheduler.waiting)
-        s["preemptions"] = self.scheduler.num_preemptions
-        s["prompt_tokens_computed"] = self.prompt_tokens_computed
-        s["step_tokens"] = dict(self.step_tokens)
-        s.update({f"spec_{k}": v for k, v in self.speculation.counts.items()})
-        return s
+        s, ttfts = self.blocks.stats(), self.ttfts  # the last TTFT_WINDOW requests'
+        return {**s, "saved_prefill_tokens": s["hit_tokens"], "ttft_p50": statistics.median(ttfts) if ttfts else None,
+                "ttft_mean": statistics.fmean(ttfts) if ttfts else None, "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting), "preemptions": self.scheduler.num_preemptions,
+                "prompt_tokens_computed": self.prompt_tokens_computed, "step_tokens": dict(self.step_tokens),
+                **{f"spec_{k}": v for k, v in self.speculation.counts.items()}}
 
     def health(self) -> dict:
         """For /health: read without the engine thread (lengths and the tiers' breakers), so it never waits."""

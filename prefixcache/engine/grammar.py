@@ -17,9 +17,10 @@ computed, so warm == cold holds for guided requests too.
 import json
 import os
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import xgrammar as xgr
@@ -27,6 +28,9 @@ import xgrammar as xgr
 from prefixcache.cache.fair import FairThread
 from prefixcache.cache.scope import CacheScope
 from prefixcache.cache.tenant_lru import TenantLru
+
+if TYPE_CHECKING:  # the sequence holds a guide and a matcher: its module imports this one
+    from prefixcache.engine.sequence import Sequence
 
 KINDS = ("json_object", "json_schema", "regex", "choice")
 TENANT_SCOPES = 4  # scopes (label sets, salts) of one tenant with compiled grammars kept
@@ -75,6 +79,21 @@ class Grammars:
         if future is None:
             raise Busy(f"{COMPILES} guides of this tenant are waiting to compile; retry when they are done")
         return future
+
+    def hand(self, waiting: "Iterable[Sequence]") -> "list[tuple[Sequence, BaseException]]":
+        """Give the waiting requests whose grammar has compiled their matchers (a sample each); returns those whose
+        guide did not compile, with why (a ValueError: the request's fault, a 400)."""
+        failed = []
+        for seq in list(waiting):
+            if not (seq.grammar and seq.grammar.done()):
+                continue
+            if e := seq.grammar.exception():
+                failed.append((seq, e))
+                continue
+            grammar = seq.grammar.result()
+            for s in [seq, *seq.forks]:
+                s.matcher, s.grammar = self.matcher(grammar), None
+        return failed
 
     def set_shares(self, shares: dict[str, float]) -> None:
         """The tenants' weights on the grammar thread: their cache shares."""

@@ -11,10 +11,50 @@ run. A request is admitted the same way: it may preempt another tenant over its 
 its tenant has nothing running.
 """
 from collections import Counter
+from typing import Callable
 
 from prefixcache.cache.shares import guarantees
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.sequence import Sequence
+
+Preempt = Callable[[Sequence], None]
+
+
+def grow(seq: Sequence, n: int, running: list[Sequence], blocks: BlockManager, shares: dict[str, float],
+         preempt: Preempt) -> None:
+    """Room for n more tokens of a running sequence, from its tenant's entries and those of tenants over their part,
+    else by preempting (the sequence itself, possibly: it is then no longer running)."""
+    while not blocks.grow(seq, n):
+        victim = newest(running, over(running, blocks, shares))
+        if victim in (None, seq):
+            if alone(seq, running) and blocks.grow(seq, n, protect=False):
+                return  # a tenant's one sequence runs, whatever it needs: room from anyone's entries
+            victim = victim or heaviest(running, blocks, shares)
+        preempt(victim)
+        if victim is seq:
+            return
+
+
+def admit(seq: Sequence, m, first: int | None, keep: frozenset[int], running: list[Sequence], blocks: BlockManager,
+          shares: dict[str, float], preempt: Preempt) -> bool:
+    """Admit a request (BlockManager.admit): room from its tenant's entries and those of tenants over their part,
+    else by preempting (outside `keep`) the sequences of other tenants over their part; from anyone's entries only
+    for a tenant with nothing running. False: it waits."""
+    while not blocks.admit(seq, m, first):
+        tenants = over(running, blocks, shares)
+        victim = newest(running, tenants, keep)
+        if seq.scope.tenant not in tenants and victim is not None:
+            preempt(victim)
+        elif alone(seq, running):  # a tenant's one sequence runs, whatever it needs: room from anyone's entries
+            return blocks.admit(seq, m, first, protect=False)
+        else:  # its tenant is over its part, or those over run only in this step: it waits
+            return False
+    return True
+
+
+def alone(seq: Sequence, running: list[Sequence]) -> bool:
+    """No other sequence of its tenant runs."""
+    return all(s is seq or s.scope.tenant != seq.scope.tenant for s in running)
 
 
 def running_pages(running: list[Sequence], local_pages: int) -> Counter:

@@ -77,3 +77,48 @@ class Pace:
         """It can still meet its deadline, but not if it waits for a step of this size first."""
         return not self.hopeless(seq, work, now) and now + self.cost.seconds(step) + self.cost.seconds(work) > \
             self.deadline(seq)
+
+    def fit(self, context: int, n: int, step: Work, slack: float, least: int) -> int:
+        """The most of n prompt tokens after `context` that a step of `step` so far can add within its slack, but at
+        least `least` (a block's worth; n, if fewer), so that an admitted prompt always moves on."""
+        if self.cost.seconds(step + Work.chunk(context, n)) <= slack:
+            return n
+        lo, hi = min(n, least), n  # lo fits (or is the floor), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.cost.seconds(step + Work.chunk(context, mid)) <= slack else (lo, mid)
+        return lo
+
+    def kept(self, waiting: list[tuple[Sequence, int]], step: Work, slack: float, now: float) -> Work:
+        """The part of the step's slack kept for the waiting requests (with their cached tokens) that fit in it whole
+        and can still meet their first token (a short suffix past a cached prefix, mostly): a running prompt's chunk
+        takes what they leave, so a cold prompt under way does not make them wait."""
+        kept = Work()
+        for seq, cached in waiting:
+            work = to_first_token(seq, cached)
+            if not self.hopeless(seq, work, now) and self.cost.seconds(step + kept + work) <= slack:
+                kept += work
+        return kept
+
+    def allowed(self, seq: Sequence, cached: int, step: Work, batch: Work, limits: tuple[list[float], list[float]],
+                slack: float, now: float, whole: bool, least: int) -> int:
+        """How many of a waiting request's prompt tokens this step may compute (0: it waits). None while one more
+        sequence decoding would make every step longer than the TPOT objective. First (`whole`): all of them, if
+        they fit the step's slack, or waiting longer would make it miss its first token's deadline and the longer
+        step costs no answer under way its objective (`limits`: spares' two). Then, from what slack is left: a
+        chunk, if `least` tokens fit (fit)."""
+        work = to_first_token(seq, cached)
+        if not self.room(batch, len(seq.tokens)):
+            return 0
+        if self.cost.seconds(step + work) <= slack or \
+                (self.urgent(seq, work, step, now) and self.spares(*limits, step, step + work)):
+            return work.rows if whole else 0
+        if whole:
+            return 0
+        n = self.fit(cached, work.rows, step, slack, least)
+        return n if self.cost.seconds(step + Work.chunk(cached, n)) <= slack else 0
+
+
+def to_first_token(seq: Sequence, cached: int) -> Work:
+    """A waiting request's work to its first token: its prompt past the cached prefix."""
+    return Work.chunk(cached, len(seq.tokens) - cached)

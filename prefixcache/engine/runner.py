@@ -3,6 +3,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+import xxhash
 
 from prefixcache import kernels
 from prefixcache.cache.pool import KVPool
@@ -11,7 +12,9 @@ from prefixcache.engine.sampler import ranked_logprobs
 from prefixcache.engine.sequence import Sequence
 from prefixcache.models.attention import Queries
 from prefixcache.models.llama import Batch, Llama
+from prefixcache.models.loader import Weights
 from prefixcache.models.lora import Adapter
+from prefixcache.models.probe import probe
 from prefixcache.models.rowwise import KernelOps, TorchOps
 
 
@@ -74,6 +77,18 @@ class ModelRunner:
             assert len(targets) == len(logits), "a prompt logprob row past the prompt"
             seq.prompt_logprobs[p:p + len(targets)] = ranked_logprobs(self.model.ops, logits, targets,
                                                                       seq.params.prompt_logprobs)
+
+
+def build_model(config: Config, weights: Weights, max_model_len: int) -> tuple[Llama, str]:
+    """The model on the ops that can run it, probed for exactness (model.exact), and its fingerprint: cached KV is
+    reused only by the same weights under the same arithmetic, stored in the same dtype (a disk or Redis tier may hold
+    KV of other replicas: on the torch path, on kernels built from other sources, or kept in bfloat16, its bits are
+    not ours; with the same keys, replicas would take each other's records as bad)."""
+    ops, status = choose_ops(config, weights.config.head_dim)
+    model = Llama(weights, config.attn_tile, ops, max_model_len)
+    model.exact = probe(model, config.exactness, config.max_batch_tokens, config.max_num_seqs, status)
+    arithmetic = model.ops.arithmetic(model.exact.cpu)
+    return model, xxhash.xxh3_128_hexdigest(f"{weights.fingerprint} {arithmetic} kv:{config.kv_storage_dtype}".encode())
 
 
 def choose_ops(config: Config, head_dim: int) -> tuple[KernelOps | TorchOps, str]:

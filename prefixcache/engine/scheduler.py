@@ -1,16 +1,15 @@
 """Continuous batching: which sequences run this step, and how many of their tokens.
 
-The running slots (`max_num_seqs`) are shared by tenant weight (their `cache_share`s, equal by default; see
-cache/shares.py `guarantees`): a tenant with a request waiting and fewer slots than its part takes them from the
-tenant furthest over its own part (whose newest sequences are preempted, their computed blocks kept cached), and the
-KV pool by memory shares (engine/memory_shares.py): no tenant's running work evicts another's cached prefixes under
-its part; memory pressure preempts the tenant furthest over its own. A request that does not fit (slots or memory)
-is passed over, not waited for, until it has been passed over `fairness_steps` times; then it goes first and nothing
-overtakes it (unless its tenant holds its part while another waits below its own); one waiting for memory holds back
-its own tenant's requests alone. While tenants share the engine, a step holds back the decode rows that would slow
-another tenant's tokens more than `--tenant-slowdown` (engine/slowdown.py), and a short request of a tenant with
-nothing in the step under way runs inside it (lane()), on the slot of a held-back sequence if its tenant is below
-its part.
+The running slots (`max_num_seqs`) are shared by tenant weight (engine/slot_shares.py): a tenant with a request
+waiting and fewer slots than its part takes them from the tenant furthest over its own part (whose newest sequences
+are preempted, their computed blocks kept cached), and the KV pool by memory shares (engine/memory_shares.py): no
+tenant's running work evicts another's cached prefixes under its part; memory pressure preempts the tenant furthest
+over its own. A request that does not fit (slots or memory) is passed over, not waited for, until it has been passed
+over `fairness_steps` times; then it goes first and nothing overtakes it (unless its tenant holds its part while
+another waits below its own); one waiting for memory holds back its own tenant's requests alone. While tenants share
+the engine, a step holds back the decode rows that would slow another tenant's tokens more than `--tenant-slowdown`
+(engine/slowdown.py), and a short request of a tenant with nothing in the step under way runs inside it (lane()), on
+the slot of a held-back sequence if its tenant is below its part.
 
 Given latency objectives (a Pace), fairness still decides whose request goes next, and the objectives how much
 prefill a step takes: what fits in the slack of the sequences it decodes, plus the requests whose first token would
@@ -22,21 +21,18 @@ but within the objectives, as a chunk if it does not fit whole: past capacity th
 request that went past the slack made the answers under way miss their TPOT.
 """
 import math
-import time
-from collections import Counter, deque
+from collections import deque
 
 from prefixcache.cache.shares import guarantees
 from prefixcache.engine.blocks import BlockManager
-from prefixcache.engine.memory_shares import heaviest, newest, over, running_pages
-from prefixcache.engine.pace import Pace
+from prefixcache.engine.memory_shares import admit, grow, running_pages
+from prefixcache.engine.pace import Pace, to_first_token
 from prefixcache.engine.prefill_shares import PrefillShares
 from prefixcache.engine.sequence import Sequence, Status
+from prefixcache.engine.slot_shares import claim, held, rebalance
 from prefixcache.engine.slowdown import bounded
 from prefixcache.engine.step_cost import StepCost, Work
-
-USAGE_HALF_LIFE = 2.0  # seconds: how fast a tenant's engine use is forgotten (Scheduler.charge)
-NEXT_REQUEST = 0.1  # seconds a tenant still counts as having work after its last request finished: the gap of a
-# client that sends one request after another, not of one that sends a request now and then
+from prefixcache.engine.usage import Usage
 
 
 class Scheduler:
@@ -50,9 +46,7 @@ class Scheduler:
         self.stepping: set[int] = set()  # the sequences of the step under way (or the last one)
         self.pace = pace  # None: no objectives, steps are sized by max_batch_tokens alone
         self.shared_chunk = shared_chunk  # 0: off
-        self.usage: dict[str, float] = {}  # tenant -> tokens computed, halved every USAGE_HALF_LIFE (charge)
-        self.charged_at = time.monotonic()
-        self.finished: dict[str, float] = {}  # tenant -> when its last request finished (monotonic)
+        self.usage = Usage()  # each tenant's engine use lately (the engine charges each step)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.fairness_steps = fairness_steps
@@ -77,7 +71,7 @@ class Scheduler:
         so that one tenant's long prompts keep steps short for the others' first tokens."""
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
-        self._rebalance()
+        rebalance(self.running, self._ready(), self.shares, self.max_num_seqs, self.preempt)
         shares = self._prefill_shares()
         batch = Work(len(self.running), sum(len(s.tokens) for s in self.running))  # a step decoding every one
         limits = self.pace.limits(self.running, self.pace.cost.seconds(batch), now) if self.pace else []
@@ -86,24 +80,17 @@ class Scheduler:
         step = Work(len([s for s in self.running if s.num_uncomputed == 1]), 0)  # the decodes' rows, then what joins
         preempted = self.num_preemptions
         order = self._admission_order(now) if slack < math.inf else None  # made again below if the running preempt
-        kept = self._kept(order, step, slack, now) if order is not None else Work()
+        kept = self.pace.kept([(seq, len(m)) for seq, m, _ in order], step, slack, now) if order is not None \
+            else Work()
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             n = shares.allow(seq, min(seq.num_uncomputed, budget))
-            if n > 1:
-                n = self._fit(seq.num_computed, n, step + kept, slack)
+            if n > 1 and slack < math.inf:
+                n = self.pace.fit(seq.num_computed, n, step + kept, slack, self.blocks.bs)
             if n == 0:
                 continue
-            while not self.blocks.grow(seq, n):  # room from its own entries and those of tenants over their part
-                victim = newest(self.running, over(self.running, self.blocks, self.shares))
-                if victim in (None, seq):
-                    if self._alone(seq) and self.blocks.grow(seq, n, protect=False):
-                        break  # a tenant's one sequence runs, whatever it needs: room from anyone's entries
-                    victim = victim or heaviest(self.running, self.blocks, self.shares)
-                self.preempt(victim)
-                if victim is seq:
-                    break
+            grow(seq, n, self.running, self.blocks, self.shares, self.preempt)
             if seq.status is Status.RUNNING:
                 plan.append((seq, n))
                 budget -= n
@@ -122,7 +109,9 @@ class Scheduler:
                 if seq.status is not Status.WAITING or seq.scope.tenant in short or \
                         self._waits_for_inflight(seq, m) or not shares.allow(seq, budget):
                     continue
-                need = self._paced(seq, len(m), step, batch, (limits, strict), min(slack, first), now, whole)
+                need = self.pace.allowed(seq, len(m), step, batch, (limits, strict), min(slack, first), now, whole,
+                                         self.blocks.bs) if self.pace else \
+                    (to_first_token(seq, len(m)).rows if whole else 0)
                 if need == 0 and due and whole:
                     break  # it goes first: its chunk, if one fits, before any other request whole
                 # nor would a longer step make a first token it gives late
@@ -131,7 +120,8 @@ class Scheduler:
                 if self.num_slots + 1 + len(seq.forks) > self.max_num_seqs:
                     blocked = due  # passed over long enough: it waits for slots, and nothing overtakes it
                     continue
-                if not self._admit(seq, m, min(budget, need), frozenset(s.id for s, _ in plan)):
+                if not admit(seq, m, min(budget, need), frozenset(s.id for s, _ in plan), self.running, self.blocks,
+                             self.shares, self.preempt):
                     if due:  # it waits for memory, and nothing of its tenant overtakes it; others' requests may
                         short.add(seq.scope.tenant)
                     continue
@@ -151,7 +141,7 @@ class Scheduler:
             seq.skipped += 1
         if shares.cap is not None:
             plan = self._first_token_lane(plan)
-        plan = bounded(plan, self.cost, self.shares, self.slowdown, self._tenants())
+        plan = bounded(plan, self.cost, self.shares, self.slowdown, self.usage.tenants(self.running, self.waiting))
         self.steps += 1
         for seq, _ in plan:
             seq.ran_at = self.steps
@@ -183,7 +173,7 @@ class Scheduler:
             budget, anyone, seconds = self.shared_chunk or self.blocks.bs, bool(self.shared_chunk), math.inf
         stepping = {s.scope.tenant for s in self.running if s.id in self.stepping}
         for seq, m, _ in self._admission_order(now):
-            need = self._need(seq, len(m))
+            need = to_first_token(seq, len(m))
             cost = self.cost.seconds(need)
             if need.rows > budget or (not anyone and seq.scope.tenant in stepping):
                 continue
@@ -191,8 +181,10 @@ class Scheduler:
             spare = self.pace.allowance(seq, decode) - (self.step_end - now) if self.pace else math.inf
             if self.pace and (self.pace.hopeless(seq, need, now) or cost > seconds or spare < 0):
                 continue
-            if self._waits_for_inflight(seq, m) or not self._slot(seq) or \
-                    not self._admit(seq, m, None, frozenset(self.stepping)):
+            if self._waits_for_inflight(seq, m) or \
+                    not claim(seq, self.running, self.shares, self.max_num_seqs, self.stepping, self.preempt) or \
+                    not admit(seq, m, None, frozenset(self.stepping), self.running, self.blocks, self.shares,
+                              self.preempt):
                 continue
             self.waiting.remove(seq)
             self.adopt(seq)
@@ -227,17 +219,8 @@ class Scheduler:
         self.blocks.prefetch(seq)
         self.waiting.appendleft(seq)
 
-    def charge(self, plan: list[tuple[Sequence, int]]) -> None:
-        """Charge a step to its tenants: the tokens each computed in it, a measure of engine time that does not
-        depend on the machine's noise (nor tell a tenant anything through it); older charges fade."""
-        now = time.monotonic()
-        fade, self.charged_at = 0.5 ** ((now - self.charged_at) / USAGE_HALF_LIFE), now
-        self.usage = {t: u * fade for t, u in self.usage.items() if u * fade > 1e-3}
-        for seq, n in plan:
-            self.usage[seq.scope.tenant] = self.usage.get(seq.scope.tenant, 0.0) + n
-
     def finish(self, seq: Sequence) -> None:
-        self.finished[seq.scope.tenant] = time.monotonic()
+        self.usage.finish(seq.scope.tenant)
         self.blocks.release(seq, finished=True)
         self.running.remove(seq)
         seq.status = Status.FINISHED
@@ -249,95 +232,19 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = Status.FINISHED
 
-    def _slots(self) -> Counter:
-        """Running slots by tenant (a running prompt's samples count: they will start from it)."""
-        held = Counter()
-        for seq in self.running:
-            held[seq.scope.tenant] += 1 + len(seq.forks)
-        return held
-
     def _ready(self) -> list[Sequence]:
         """The waiting requests whose tier lookups and grammars are ready, in arrival order."""
         return [s for s in sorted(self.waiting, key=lambda s: s.arrival) if self.blocks.ready(s) and s.grammar is None]
-
-    def _rebalance(self) -> None:
-        """Give each ready waiting request whose tenant holds less than its part of the running slots a slot: a free
-        one, or one preempted from the tenant running furthest over its part. A tenant at its part claims nothing."""
-        runs = self._slots()
-        held = Counter(runs)  # and the slots claimed below
-        free = self.max_num_seqs - sum(runs.values())
-        for seq in self._ready():
-            tenant, need = seq.scope.tenant, 1 + len(seq.forks)
-            held[tenant] += 0  # counted among the tenants sharing the slots
-            fair = guarantees(held, self.shares, self.max_num_seqs)
-            if held[tenant] + need > fair[tenant]:
-                continue
-            while free < need and (victim := self._over(runs, fair, set())):
-                self.preempt(victim)
-                runs[victim.scope.tenant] -= 1 + len(victim.forks)
-                held[victim.scope.tenant] -= 1 + len(victim.forks)
-                free += 1 + len(victim.forks)
-            if free >= need:
-                held[tenant] += need
-                free -= need
-
-    def _slot(self, seq: Sequence) -> bool:
-        """Whether the request has running slots now (Scheduler.lane): free ones, or, if its tenant holds less than
-        its part, ones of sequences outside the step under way, preempted from the tenants furthest over theirs."""
-        need, runs = 1 + len(seq.forks), self._slots()
-        runs[seq.scope.tenant] += 0
-        fair = guarantees(runs, self.shares, self.max_num_seqs)
-        if runs[seq.scope.tenant] + need > fair[seq.scope.tenant]:
-            return self.num_slots + need <= self.max_num_seqs
-        while self.num_slots + need > self.max_num_seqs and (victim := self._over(runs, fair, self.stepping)):
-            self.preempt(victim)
-            runs[victim.scope.tenant] -= 1 + len(victim.forks)
-        return self.num_slots + need <= self.max_num_seqs
-
-    def _over(self, runs: Counter, fair: dict[str, float], keep: set[int]) -> Sequence | None:
-        """The newest running sequence, not in `keep`, of the tenant running furthest over its part of the slots;
-        None if no tenant is over its part (or has such a sequence)."""
-        over = max(runs, key=lambda t: runs[t] - fair[t], default=None)
-        if over is None or runs[over] <= fair[over]:
-            return None
-        return next((s for s in reversed(self.running) if s.scope.tenant == over and s.id not in keep), None)
-
-    def _admit(self, seq: Sequence, m, first: int, keep: frozenset[int]) -> bool:
-        """Admit a request (BlockManager.admit) by memory shares (engine/memory_shares.py): room from its tenant's
-        entries and those of tenants over their part, else by preempting (outside `keep`) the sequences of other
-        tenants over their part; from anyone's entries only for a tenant with nothing running. False: it waits."""
-        while not self.blocks.admit(seq, m, first):
-            tenants = over(self.running, self.blocks, self.shares)
-            victim = newest(self.running, tenants, keep)
-            if seq.scope.tenant not in tenants and victim is not None:
-                self.preempt(victim)
-            elif self._alone(seq):  # a tenant's one sequence runs, whatever it needs: room from anyone's entries
-                return self.blocks.admit(seq, m, first, protect=False)
-            else:  # its tenant is over its part, or those over run only in this step: it waits
-                return False
-        return True
-
-    def _alone(self, seq: Sequence) -> bool:
-        """No other sequence of its tenant runs."""
-        return all(s is seq or s.scope.tenant != seq.scope.tenant for s in self.running)
 
     def _prefill_shares(self) -> PrefillShares:
         """This step's prefill caps (a deficit round robin over engine use): while two tenants or more have work
         (running or waiting, or finished within NEXT_REQUEST), `shared_chunk` tokens for each, except the one with
         the least engine use lately (none on a tie); else none. A tenant that sends a small request now and then
         caps the others only while its request is in the engine and as long as it has had less than they."""
-        tenants = self._tenants()
+        tenants = self.usage.tenants(self.running, self.waiting)
         if not self.shared_chunk or len(tenants) < 2:
             return PrefillShares(None)
-        least = sorted(tenants, key=lambda t: self.usage.get(t, 0.0))
-        tie = self.usage.get(least[0], 0.0) == self.usage.get(least[1], 0.0)
-        return PrefillShares(self.shared_chunk, None if tie else least[0])
-
-    def _tenants(self) -> set[str]:
-        """The tenants with work: running or waiting, or finished within NEXT_REQUEST."""
-        now = time.monotonic()
-        self.finished = {t: at for t, at in self.finished.items() if now - at < NEXT_REQUEST}
-        return {s.scope.tenant for s in self.running} | {s.scope.tenant for s in self.waiting} | set(self.finished)
+        return PrefillShares(self.shared_chunk, self.usage.least(tenants))
 
     def _first_token_lane(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """While tenants share the engine: a step that gives a request its first token carries no prefill chunk
@@ -361,10 +268,10 @@ class Scheduler:
         capacity: 0.16-0.24 met both objectives, 0.54-0.66 with this). A request whose lookup in the KV
         tiers below memory, or whose grammar, is not ready waits for it, without taking a turn."""
         ready = [(seq, self.blocks.match(seq)) for seq in self._ready()]
-        late = {seq.id for seq, m in ready if self.pace and self.pace.hopeless(seq, self._need(seq, len(m)), now)}
+        late = {seq.id for seq, m in ready if self.pace and self.pace.hopeless(seq, to_first_token(seq, len(m)), now)}
         ready.sort(key=lambda p: p[0].id in late)  # stable: arrival
         fresh = {seq.scope.tenant for seq, _ in ready if seq.id not in late}
-        turn = self._slots()
+        turn = held(self.running)
         for seq, _ in ready:
             turn[seq.scope.tenant] += 0
         fair = guarantees(turn, self.shares, self.max_num_seqs)
@@ -378,54 +285,6 @@ class Scheduler:
                   and not (seq.id in late and seq.scope.tenant in fresh)) for seq, m, t in order]
         order.sort(key=lambda p: (not p[3], p[2], -len(p[1]), p[0].arrival))
         return [(seq, m, due) for seq, m, _, due in order]
-
-    @staticmethod
-    def _need(seq: Sequence, cached: int) -> Work:
-        """A waiting request's work to its first token: its prompt past the cached prefix."""
-        return Work.chunk(cached, len(seq.tokens) - cached)
-
-    def _fit(self, context: int, n: int, step: Work, slack: float) -> int:
-        """The most of n prompt tokens after `context` that a step of `step` so far can add within its slack, but at
-        least a block's worth (or n, if fewer), so that an admitted prompt always moves on."""
-        floor = min(n, self.blocks.bs)
-        if slack == math.inf or self.pace.cost.seconds(step + Work.chunk(context, n)) <= slack:
-            return n
-        lo, hi = floor, n  # lo fits (or is the floor), hi does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.pace.cost.seconds(step + Work.chunk(context, mid)) <= slack else (lo, mid)
-        return lo
-
-    def _kept(self, order: list[tuple[Sequence, object, bool]], step: Work, slack: float, now: float) -> Work:
-        """Paced: the part of the step's slack kept for the waiting requests that fit in it whole and can still
-        meet their first token (a short suffix past a cached prefix, mostly): a running prompt's chunk takes what
-        they leave, so a cold prompt under way does not make them wait."""
-        kept = Work()
-        for seq, m, _ in order:
-            need = self._need(seq, len(m))
-            if not self.pace.hopeless(seq, need, now) and self.cost.seconds(step + kept + need) <= slack:
-                kept += need
-        return kept
-
-    def _paced(self, seq: Sequence, cached: int, step: Work, batch: Work, limits: tuple[list[float], list[float]],
-               slack: float, now: float, whole: bool) -> int:
-        """How many of a waiting request's prompt tokens this step may compute (0: it waits), by the objectives. None
-        while one more sequence decoding would make every step longer than the TPOT objective. First (`whole`): all
-        of them, if they fit the step's slack, or waiting longer would make it miss its first token's
-        deadline and the longer step costs no answer under way its objective (`limits`: Pace.spares' two). Then, from
-        what slack is left: a chunk, if a block's worth fits."""
-        need = self._need(seq, cached)
-        if not self.pace:
-            return need.rows if whole else 0
-        if not self.pace.room(batch, len(seq.tokens)):
-            return 0
-        if self.pace.cost.seconds(step + need) <= slack or \
-                (self.pace.urgent(seq, need, step, now) and self.pace.spares(*limits, step, step + need)):
-            return need.rows if whole else 0
-        if whole:
-            return 0
-        n = self._fit(cached, need.rows, step, slack)
-        return n if self.pace.cost.seconds(step + Work.chunk(cached, n)) <= slack else 0
 
     def _waits_for_inflight(self, seq: Sequence, m) -> bool:
         """True if a running prefill is computing the next block of this request's prefix: wait, then hit."""

@@ -225,6 +225,10 @@ class Sequence:
     def output_ids(self) -> list[int]:
         return self.tokens[self.num_prompt:]
 
+    def scope_at(self, end: int) -> CacheScope:
+        """A block or partial ending at token `end` is shared only if it lies inside a declared shared prefix."""
+        return self.scope.shared if end <= self.cache.shared_len else self.scope
+
     @property
     def num_uncomputed(self) -> int:
         return len(self.tokens) - self.num_computed

@@ -20,7 +20,6 @@ from prefixcache.cache.node import Match, Node
 from prefixcache.cache.pool import KVPool
 from prefixcache.cache.record import Record
 from prefixcache.cache.remote import RedisTier
-from prefixcache.cache.scope import CacheScope
 from prefixcache.cache.tiers import Copy, Tiers, Wanted, owner_id
 from prefixcache.config import Config
 from prefixcache.engine.sequence import Sequence
@@ -51,8 +50,6 @@ class Blocks(Protocol):
     def reads_cache(self, seq: Sequence) -> bool: ...
 
     def reserve(self, n: int) -> bool: ...
-
-    def scope_at(self, seq: Sequence, end: int) -> CacheScope: ...
 
 
 class Below(Protocol):
@@ -166,7 +163,7 @@ class Tiering:
                     self.pool.add_local(block)
                 if f.record is not None:
                     self.pool.write(block, f.record.k, f.record.v)
-                scope = self.blocks.scope_at(seq, (j + 1) * self.bs)
+                scope = seq.scope_at((j + 1) * self.bs)
                 tokens = tuple(seq.tokens[j * self.bs:(j + 1) * self.bs])  # what the record's MAC was checked on
                 self.loading = True
                 node, _ = self.cache.insert(parent, c.keys[j], scope.key, tokens, block,
@@ -197,7 +194,7 @@ class Tiering:
         return owner_id(self.cache.owner(node))
 
     def _owner_of(self, seq: Sequence, j: int) -> str:
-        return owner_id(self.blocks.scope_at(seq, (j + 1) * self.bs).owner)
+        return owner_id(seq.scope_at((j + 1) * self.bs).owner)
 
     def _copy(self, node: Node) -> Record:
         return Record(node.tokens, *self.pool.read(node.block))

@@ -8,7 +8,7 @@ exact zeros. A row's delta depends on that row alone, so batching, chunking and 
 """
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +37,12 @@ class Adapter:
     name: str
     fingerprint: str  # of its files' bytes: the `adapter` field of its requests' cache scope
     deltas: dict[tuple[int, str], Delta]  # by (layer, GEMM)
+
+
+def event_name(adapters: Iterable[Adapter], fingerprint: str) -> tuple[int, str] | None:
+    """The adapter of this fingerprint as vLLM's KV events name it: its place in --lora-modules from 1, its name."""
+    return next(((i, a.name) for i, a in enumerate(adapters, 1) if a.fingerprint == fingerprint),
+                None) if fingerprint else None
 
 
 def load(name: str, folder: str, config: ModelConfig, prepare: Callable[[torch.Tensor], torch.Tensor | Packed],

@@ -7,7 +7,7 @@ import time
 
 from prefixcache import LLM, CacheScope, SamplingParams
 from prefixcache.engine.engine import StepFailed
-from prefixcache.engine.scheduler import NEXT_REQUEST
+from prefixcache.engine.usage import NEXT_REQUEST
 from prefixcache.engine.sequence import Sequence, Status
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
