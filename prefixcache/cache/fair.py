@@ -78,6 +78,11 @@ class FairQueue(Generic[T]):
             self.start = {t: s for t, s in self.start.items() if t in self.queues or s > self.now}
             return item
 
+    def waiting(self) -> list[str]:
+        """The tenants with items waiting."""
+        with self.cond:
+            return list(self.queues)
+
     def set_shares(self, shares: dict[str, float]) -> None:
         """The tenants' weights: fractions summing to at most 1, as CacheAdmin.set_shares takes them."""
         with self.cond:

@@ -1,8 +1,10 @@
 """L3: KV blocks in Redis, shared by every replica, behind a circuit breaker.
 
-Key: prefixcache:kv:<owner hex>:<block key hex>, so a tenant's purge is a SCAN of its own prefix. Every entry
-expires (its TTL, else `ttl` seconds) unless pinned; run Redis with `--maxmemory-policy volatile-lru` so that it
-evicts the least recently used expiring entries and never a pinned one.
+Key: prefixcache:kv:<owner hex>:<block key hex>. Each owner's keys are also listed in a sorted set of its own,
+prefixcache:keys:<owner hex>, scored by when they expire (pinned: never), trimmed of the expired at every write: a
+tenant's purge reads its own set, never the keyspace every replica and tenant shares. Every entry expires (its TTL,
+else `ttl` seconds) unless pinned; run Redis with `--maxmemory-policy volatile-lru` so that it evicts the least
+recently used expiring entries and never a pinned one (the set, which never expires, neither).
 
 Every call has a socket timeout. After `failures` errors in a row the breaker opens: calls are skipped (a miss,
 a dropped write) for `cooldown` seconds, then one call tries again. Callers see misses, never exceptions.
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 import redis
 
 PREFIX = "prefixcache:kv:"
+INDEX = "prefixcache:keys:"
 
 
 @dataclass
@@ -65,7 +68,15 @@ class RedisTier:
 
     def put(self, owner: str, key: str, data: bytes, ttl: float | None) -> bool:
         seconds = max(1, round(ttl if ttl is not None else self.ttl))
-        return self._call(lambda c: c.set(_name(owner, key), data, ex=seconds)) is not None
+
+        def run(c):
+            now = time.time()
+            pipe = c.pipeline(transaction=False)
+            pipe.set(_name(owner, key), data, ex=seconds)
+            pipe.zadd(INDEX + owner, {key: now + seconds})
+            pipe.zremrangebyscore(INDEX + owner, "-inf", now)
+            return pipe.execute()
+        return self._call(run) is not None
 
     def persist(self, owner: str, keys: list[str], pinned: bool) -> None:
         """Pinned entries never expire; unpinned ones expire again after `ttl`."""
@@ -76,19 +87,27 @@ class RedisTier:
                     pipe.persist(_name(owner, k))
                 else:
                     pipe.expire(_name(owner, k), round(self.ttl))
+            pipe.zadd(INDEX + owner, dict.fromkeys(keys, float("inf") if pinned else time.time() + round(self.ttl)),
+                      xx=True)
             return pipe.execute()
         self._call(run)
 
     def delete(self, owner: str, keys: list[str]) -> None:
         if keys:
-            self._call(lambda c: c.unlink(*[_name(owner, k) for k in keys]))
+            self._call(lambda c: (c.unlink(*[_name(owner, k) for k in keys]), c.zrem(INDEX + owner, *keys)))
 
     def purge(self, owner: str | None) -> int:
-        """Delete one owner's entries (None: every entry); returns how many."""
+        """Delete one owner's entries, listed in its set (None: every entry, by a SCAN of ours); returns how many."""
         def run(c):
             n = 0
-            for batch in _batches(c.scan_iter(match=f"{PREFIX}{owner or '*'}:*", count=1000), 1000):
-                n += c.unlink(*batch)
+            if owner is None:
+                for batch in _batches(c.scan_iter(match="prefixcache:*", count=1000), 1000):
+                    c.unlink(*batch)
+                    n += sum(k.startswith(PREFIX.encode()) for k in batch)
+                return n
+            for batch in _batches(c.zscan_iter(INDEX + owner, count=1000), 1000):
+                n += c.unlink(*[_name(owner, k.decode()) for k, _ in batch])
+            c.unlink(INDEX + owner)
             return n
         return self._call(run) or 0
 

@@ -1,7 +1,8 @@
 """The KV tiers below host memory (L2 disk, L3 Redis) as the engine sees them, and the KV events.
 
 The engine thread never waits here on a disk or the network: it hands copies of blocks to a writer thread through
-a bounded queue (a full queue drops the write and counts it), and lookups run on a reader thread and come back as
+a queue taken by owner in turn (fair.py), bounded per owner (a full one drops its own writes and counts them, so one
+tenant's flood of unique prompts drops its writes, not others'), and lookups run on a reader thread and come back as
 futures, which the scheduler polls. The reader takes lookups by tenant, by weight (fair.py), so a tenant replaying
 many spilled prompts queues behind its own lookups only; past LOOKUPS waiting, a tenant's lookup is skipped (its
 request recomputes those blocks: a miss, counted as lookup_skipped).
@@ -16,7 +17,6 @@ A block is filed under its owner (tenant and labels, hashed) and its chain key, 
 scope; so a purge reaches a tenant's blocks in every tier, and a request can only ever ask for keys of its scope.
 """
 import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -29,14 +29,15 @@ import xxhash
 
 from prefixcache.cache.disk import DiskTier
 from prefixcache.cache.events import KVEvents
-from prefixcache.cache.fair import FairThread
+from prefixcache.cache.fair import FairQueue, FairThread
 from prefixcache.cache.record import BadRecord, Record, decode, encode
 from prefixcache.cache.remote import RedisTier
 
 log = logging.getLogger("prefixcache.tiers")
 
 WINDOW = 8  # blocks per L3 round trip (MGET): 8 read at ~960 MB/s here, 32 at ~790
-QUEUE = 256  # writes waiting for the writer thread
+QUEUE = 256  # writes waiting for the writer thread, each a copy of a block
+OWNER_QUEUE = 64  # of them one owner's: a flood keeps three quarters free for the others
 # lookups one tenant may have waiting (each holds its chain's keys and tokens): over 3x the requests the server lets
 # in at all by default (max_num_seqs + max_queue, 80), so only an offline batch reaches it
 LOOKUPS = 256
@@ -71,7 +72,9 @@ class Tiers:
         self.disk_lock = threading.Lock()  # the writer and the reader both use the disk
         self.counts: Counter[str] = Counter()  # "<tier>_<what>": hits, misses, bad, bytes_read, read_seconds...
         self.counts_lock = threading.Lock()  # three threads count
-        self.jobs: queue.Queue = queue.Queue(QUEUE)
+        self.jobs: FairQueue[tuple] = FairQueue(OWNER_QUEUE)  # by owner: writes, pins and purges, each owner's in order
+        self.pending = 0  # jobs queued and not done (drain)
+        self.done = threading.Condition()
         self.reader = FairThread("kv-tier-read", LOOKUPS)
         self.writer = threading.Thread(target=self._write_loop, name="kv-tier-write", daemon=True)
         self.writer.start()
@@ -118,11 +121,15 @@ class Tiers:
 
     def purge(self, owner: str | None) -> None:
         """Drop one owner's blocks from every tier (None: everyone's), after the writes queued before it."""
-        self.jobs.put(("purge", owner))
+        if owner is None:  # each owner's writes queued so far are purged after them, the rest now
+            for waiting in self.jobs.waiting():
+                if waiting:  # "": an earlier purge of everyone's
+                    self._queue(("purge", waiting), always=True)
+        self._queue(("purge", owner), always=True)
 
     def pin(self, owner: str, keys: list[str], pinned: bool) -> None:
         if self.remote:
-            self.jobs.put(("pin", owner, keys, pinned))
+            self._queue(("pin", owner, keys, pinned), always=True)
 
     # ---- state --------------------------------------------------------------------------------------------
     def health(self) -> dict:
@@ -144,10 +151,11 @@ class Tiers:
 
     def drain(self) -> None:
         """Wait until every write and purge queued so far is done."""
-        self.jobs.join()
+        with self.done:
+            self.done.wait_for(lambda: not self.pending)
 
     def close(self) -> None:
-        self.jobs.put(None)
+        self.jobs.close()
         self.writer.join()
         self.reader.shutdown()
         if self.events:
@@ -211,11 +219,23 @@ class Tiers:
         return record
 
     # ---- writer thread ------------------------------------------------------------------------------------
-    def _queue(self, job: tuple) -> None:
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            self._count(job[0], "writes_dropped")
+    def _queue(self, job: tuple, always: bool = False) -> None:
+        """Queue a job under its owner (job[1]; "" for everyone's purge); a write past the owner's OWNER_QUEUE or
+        the QUEUE in all is dropped, a purge or pin (`always`) waits for room."""
+        with self.done:
+            full = self.pending >= QUEUE
+            self.pending += 1
+        while full and not always or not self.jobs.put(job[1] or "", job):
+            if not always:
+                self._count(job[0], "writes_dropped")
+                self._done()
+                return
+            time.sleep(0.01)
+
+    def _done(self) -> None:
+        with self.done:
+            self.pending -= 1
+            self.done.notify_all()
 
     def _write_loop(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -231,7 +251,7 @@ class Tiers:
                 log.exception("KV tier job %s failed", kind)
                 self._count(kind, "job_errors")
             finally:
-                self.jobs.task_done()
+                self._done()
 
     def _write(self, tier: str, owner: str, key: str, record: Record, ttl: float | None) -> None:
         data = encode(record, self.secret, key, owner)

@@ -21,9 +21,9 @@ from prefixcache.cache.credentials import SECRET_FILE, TIER_SECRET_ENV, tier_sec
 from prefixcache.cache.disk import DiskTier
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.record import BadRecord, Record, decode, encode
-from prefixcache.cache.remote import PREFIX
+from prefixcache.cache.remote import INDEX, PREFIX
 from prefixcache.cache.scope import CacheScope
-from prefixcache.cache.tiers import owner_id
+from prefixcache.cache.tiers import OWNER_QUEUE, QUEUE, Tiers, owner_id
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.sequence import Sequence
 
@@ -220,10 +220,17 @@ def test_a_tenant_purge_reaches_every_tier(tiny_model, redis_proc, tmp_path):
         return len(list(r.scan_iter(f"{PREFIX}{owner}:*"))), len(os.listdir(folder)) if folder.exists() else 0
 
     assert all(n > 0 for n in held("acme") + held("globex"))
+    scans = r.info("commandstats").get("cmdstat_scan", {}).get("calls", 0)
     a.engine.cache.purge_tenant("acme")
     settle(a.engine)
+    # the purge read acme's own list of keys, not the keyspace every tenant and replica shares; globex's list is whole
+    assert r.info("commandstats").get("cmdstat_scan", {}).get("calls", 0) == scans
     assert held("acme") == (0, 0)
     assert all(n > 0 for n in held("globex"))
+    globex = owner_id(CacheScope(tenant="globex").owner)
+    assert {k.decode() for k in r.zrange(f"{INDEX}{globex}", 0, -1)} == \
+        {k.decode().rsplit(":", 1)[1] for k in r.scan_iter(f"{PREFIX}{globex}:*")}
+    assert not r.exists(f"{INDEX}{owner_id(CacheScope(tenant='acme').owner)}")
 
 
 UNIQUE = itertools.count(100)
@@ -486,3 +493,23 @@ def test_a_tenants_flood_of_unique_prompts_turns_over_its_own_disk_blocks(tmp_pa
     for i in range(8):  # b may grow to its equal part, taking from a, the one over its part
         disk.put("b", f"b{3 + i}", b"x" * 1000, None)
     assert disk.index.held == {"a": 5000, "b": 5000}
+
+
+def test_one_owners_flood_of_writes_drops_its_own_not_anothers(tmp_path):
+    """The writer takes owners in turn, each with at most OWNER_QUEUE writes waiting: while it is held up, a's flood
+    of QUEUE + 50 spilled blocks drops a's writes past its bound, and b's few still land on disk (one FIFO of QUEUE
+    dropped them all)."""
+    shape = (2, 16, 2, 8)
+    tiers = Tiers(shape, torch.float32, DiskTier(str(tmp_path / "l2"), 2**30), secret=SECRET.encode())
+    record = Record(tuple(range(16)), torch.randn(shape), torch.randn(shape))
+    with tiers.disk_lock:  # the writer waits on the disk
+        for i in range(QUEUE + 50):
+            tiers.spill("a", f"a{i}", lambda: record, None)
+        for i in range(5):
+            tiers.spill("b", f"b{i}", lambda: record, None)
+    tiers.drain()
+    on_disk = set(tiers.disk.keys())
+    assert {f"b{i}" for i in range(5)} <= on_disk
+    assert OWNER_QUEUE <= len({k for k in on_disk if k.startswith("a")}) <= OWNER_QUEUE + 1  # and the one under way
+    assert tiers.stats()["counts"]["L2_writes_dropped"] == QUEUE + 50 - len(on_disk) + 5
+    tiers.close()
