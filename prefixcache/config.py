@@ -41,7 +41,8 @@ class Config:
     # step under way (Engine.lane_step). Small values keep other tenants' first tokens fast, at the cost of the
     # long prompts' throughput
     tenant_slowdown: float = 1.5  # while tenants decode in one step, the most it may take over what it would with
-    # each one's decode rows alone, unless an equal part of the rows each takes longer (engine/slowdown.py); 0: off
+    # each one's decode rows alone, unless an equal part of the rows each takes longer; the prompt chunks of tenants
+    # with more engine time lately are cut to it too (engine/slowdown.py); 0: off
     fairness_steps: int = 32  # a waiting request is admitted first once it has been passed over this often
     slo_ttft_ms: float | None = None  # a time-to-first-token objective: /metrics counts the requests that met and
     # missed it, and (slo_schedule) a waiting request is admitted before it would miss it

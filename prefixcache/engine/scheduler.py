@@ -141,7 +141,8 @@ class Scheduler:
             seq.skipped += 1
         if shares.cap is not None:
             plan = self._first_token_lane(plan)
-        plan = bounded(plan, self.cost, self.shares, self.slowdown, self.usage.tenants(self.running, self.waiting))
+        plan = bounded(plan, self.cost, self.shares, self.slowdown, self.usage.tenants(self.running, self.waiting),
+                       self.usage.tokens)
         self.steps += 1
         for seq, _ in plan:
             seq.ran_at = self.steps

@@ -9,8 +9,16 @@ if no tenant had more decode rows than that one (by weight, their cache shares):
 equally pay what sharing costs, and rows beyond an equal part come only within the bound. A tenant with no decode
 row in the step still waits for it (for its next first token) and counts with none. A step over the bound loses
 decode rows of the tenant with the most by weight, the ones that ran most recently first (so that its sequences take
-turns), until it holds; a tenant keeps at least one. Prompt chunks are never held back here (`shared_chunk` bounds
-those), nor is a tenant alone in the engine. Costs are the step cost's predictions (engine/step_cost.py).
+turns), until it holds; a tenant keeps at least one. A tenant alone in the engine is never held back.
+
+Prompt chunks are held to the same bound, for each tenant with decode rows in the step, when they are of a tenant
+that has had more engine time lately than it (engine/usage.py): then they take at most `slowdown` times that
+tenant's rows and chunks alone, or, where that is longer, as many tokens as it has rows (by weight), the largest
+chunk cut first. A prompt of 3,000 tokens beside another tenant's one stream stretched each of the stream's steps
+from 8 ms to 0.7 s (512 tokens a step); now its tokens come at most half again as slowly, and the heavy tenant's
+prompt takes the rest of the machine in smaller chunks. A request of a tenant that has had less is not cut (its
+first token is not made to wait for others' streams), nor are a tenant's own chunks beside its own rows. Costs are
+the step cost's predictions (engine/step_cost.py).
 """
 import math
 from collections import Counter
@@ -22,9 +30,10 @@ from prefixcache.engine.step_cost import StepCost, Work
 Plan = list[tuple[Sequence, int]]
 
 
-def bounded(plan: Plan, cost: StepCost, shares: dict[str, float], slowdown: float, tenants: set[str]) -> Plan:
-    """The plan without the decode rows that would slow another tenant's tokens past the bound (see the module), for
-    `tenants`, those with work."""
+def bounded(plan: Plan, cost: StepCost, shares: dict[str, float], slowdown: float, tenants: set[str],
+            usage: dict[str, float]) -> Plan:
+    """The plan without the decode rows, and with prompt chunks cut, that would slow another tenant's tokens past the
+    bound (see the module), for `tenants`, those with work; `usage`: their engine time lately."""
     rows: dict[str, list[Sequence]] = {t: [] for t in tenants}  # decode rows by tenant, least recently run first
     for seq, _ in sorted(plan, key=lambda p: p[0].ran_at):
         if seq.num_uncomputed == 1:
@@ -43,7 +52,41 @@ def bounded(plan: Plan, cost: StepCost, shares: dict[str, float], slowdown: floa
             break
         rows[heavy].pop()
     kept = {seq.id for r in rows.values() for seq in r}
-    return [(seq, n) for seq, n in plan if seq.num_uncomputed > 1 or seq.id in kept]
+    plan = [(seq, n) for seq, n in plan if seq.num_uncomputed > 1 or seq.id in kept]
+    return _chunks(plan, cost, weight, slowdown, {t: len(r) for t, r in rows.items() if r}, usage)
+
+
+def _chunks(plan: Plan, cost: StepCost, weight: dict[str, float], slowdown: float, decoding: dict[str, int],
+            usage: dict[str, float]) -> Plan:
+    """The plan with the prompt chunks cut that slow a tenant in `decoding` (by its decode rows) past the bound: of
+    tenants that have had more engine time lately, the largest (by weight) first, each to no fewer tokens than that
+    tenant's rows by weight."""
+    sizes = {seq.id: n for seq, n in plan}
+
+    def work(skip: int | None = None, tenant: str | None = None) -> Work:
+        return sum((Work.chunk(seq.num_computed, sizes[seq.id]) for seq, _ in plan
+                    if seq.id != skip and tenant in (None, seq.scope.tenant)), Work())
+
+    for t in sorted(decoding, key=lambda t: cost.seconds(work(tenant=t))):  # the tightest bound first
+        limit = slowdown * cost.seconds(work(tenant=t))
+        floor = {u: max(1, round(decoding[t] * weight[u] / weight[t])) for u in weight}
+        while cost.seconds(work()) > limit:
+            cut = [seq for seq, _ in plan if seq.num_uncomputed > 1 and sizes[seq.id] > floor[seq.scope.tenant]
+                   and usage.get(seq.scope.tenant, 0.0) > usage.get(t, 0.0)]
+            if not cut:
+                break
+            seq = max(cut, key=lambda s: sizes[s.id] / weight[s.scope.tenant])
+            sizes[seq.id] = _most(cost, work(skip=seq.id), seq, sizes[seq.id], floor[seq.scope.tenant], limit)
+    return [(seq, sizes[seq.id]) for seq, _ in plan]
+
+
+def _most(cost: StepCost, rest: Work, seq: Sequence, n: int, floor: int, limit: float) -> int:
+    """The most of a chunk's n tokens (at least floor) that keep a step of `rest` and the chunk within `limit`."""
+    lo, hi = floor, n  # lo fits (or is the floor), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if cost.seconds(rest + Work.chunk(seq.num_computed, mid)) <= limit else (lo, mid)
+    return lo
 
 
 def _equal(work: dict[str, Work], weight: dict[str, float], t: str) -> Work:

@@ -25,9 +25,10 @@ def test_the_cap_follows_engine_time_and_the_first_token_step(tiny_model):
     """With shared_chunk 32: step 1 ties (no engine time yet), so both are capped and b's request gets the step to
     itself; step 2 is a's in full (b has had engine time, a none); step 3 caps a again (a has had more, and b still
     decodes): a's first prompt decodes, its second gets 32 tokens. a alone takes the whole step budget, and
-    outputs equal those without a cap."""
+    outputs equal those without a cap. (No slowdown bound: by the step costs measured, it would cut a's chunks beside
+    b's decode row, engine/slowdown.py.)"""
     def run(shared_chunk: int, with_b: bool) -> tuple[list[int], list]:
-        llm = LLM(model=tiny_model, shared_chunk=shared_chunk, enable_prefix_cache=False)
+        llm = LLM(model=tiny_model, shared_chunk=shared_chunk, enable_prefix_cache=False, tenant_slowdown=0)
         seqs = [llm.engine.add_request(p, PARAMS, CacheScope(tenant="a")) for p in A]
         if with_b:
             seqs.append(llm.engine.add_request(B, PARAMS, CacheScope(tenant="b")))

@@ -30,9 +30,10 @@ def decodes(tenant: str, k: int) -> list[tuple[Sequence, int]]:
     return plan
 
 
-def bound(plan, coef=COEF, shares=None, slowdown=1.5, others=()) -> list:
-    """bounded() for the plan's tenants and `others` with work but no row in it."""
-    return bounded(plan, cost(coef), shares or {}, slowdown, set(tenants(plan)) | set(others))
+def bound(plan, coef=COEF, shares=None, slowdown=1.5, others=(), usage=None) -> list:
+    """bounded() for the plan's tenants and `others` with work but no row in it; `usage`: their engine time lately
+    (none by default)."""
+    return bounded(plan, cost(coef), shares or {}, slowdown, set(tenants(plan)) | set(others), usage or {})
 
 
 def tenants(plan) -> dict[str, int]:
@@ -80,6 +81,31 @@ def test_an_equal_part_is_by_weight_and_a_tenant_keeps_a_row():
     plan = decodes("a", 15) + decodes("b", 1)
     assert tenants(bound(plan, rows_cost)) == {"a": 1, "b": 1}
     assert tenants(bound(plan, rows_cost, {"a": 0.75})) == {"a": 3, "b": 1}  # b's weight is 0.25
+
+
+def prompt(tenant: str, n: int) -> tuple[Sequence, int]:
+    """A tenant's prompt of n + 88 tokens, its first n in this step's chunk."""
+    return Sequence(list(range(100, 188 + n)), GREEDY, CacheScope(tenant=tenant)), n
+
+
+HEAVY_A = {"a": 5000.0, "b": 30.0}  # a has had far more engine time lately than b
+
+
+def test_a_heavy_tenants_long_prompt_beside_another_tenants_stream_is_cut_to_the_bound():
+    """a's 512-token chunk beside b's one stream: 16 ms for b alone, so 24 ms in all, which is 4 of a's tokens (a
+    fifth would make 26 ms); the whole chunk would have made b's step 1,040 ms."""
+    assert tenants(bound(decodes("b", 1) + [prompt("a", 512)], usage=HEAVY_A)) == {"a": 4, "b": 1}
+    assert tenants(bound(decodes("b", 3) + [prompt("a", 512)], usage=HEAVY_A)) == {"a": 5, "b": 3}  # 30 ms in all
+    rows_cost = (0.001, 0.01, 0.0)  # b's 3 rows alone: 31 ms, so 46.5 ms in all: one token of a's would fit
+    assert tenants(bound(decodes("b", 3) + [prompt("a", 512)], rows_cost, usage=HEAVY_A)) == {"a": 3, "b": 3}
+
+
+def test_a_prompt_is_not_cut_beside_its_own_tenants_stream_nor_if_its_tenant_has_had_less():
+    own = decodes("b", 1) + [prompt("b", 512)]
+    assert bound(own, others={"a"}, usage=HEAVY_A) == own
+    light = decodes("b", 1) + [prompt("c", 512)]  # c's first request: its first token waits for no one's stream
+    assert bound(light, usage=HEAVY_A) == light
+    assert tenants(bound(decodes("b", 1) + [prompt("a", 512)], slowdown=math.inf, usage=HEAVY_A))["a"] == 512
 
 
 def test_held_rows_take_turns_and_change_no_tokens(tiny_model):
