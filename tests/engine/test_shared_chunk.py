@@ -7,8 +7,8 @@ import time
 
 from prefixcache import LLM, CacheScope, SamplingParams
 from prefixcache.engine.engine import StepFailed
-from prefixcache.engine.usage import NEXT_REQUEST
 from prefixcache.engine.sequence import Sequence, Status
+from prefixcache.engine.usage import NEXT_REQUEST
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 A = [list(range(100 + 400 * i, 400 + 400 * i)) for i in range(2)]  # tenant a's long prompts
