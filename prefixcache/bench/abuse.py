@@ -7,11 +7,13 @@ high-water mark (VmHWM) is that attack's. Writes bench/results/abuse.{json,md}. 
 `python -m prefixcache.bench.abuse` (the default model; about 13 minutes here).
 """
 import argparse
+import itertools
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,6 +37,11 @@ UNREAD = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "
           "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 20}  # the largest chunks, never read
 KEYS_IDS = {"path": "/v1/completions", "body": {**PROMPT, "prompt": [1000 + i % 39000 for i in range(140_000)]}}
 LONG = {**PROMPT, "prompt": "tenant " * 3000, "n": 4}  # prompt logprobs recompute the prompt: a prefill each time
+FRESH = {**PROMPT, "prompt": "@N@ " + "tenant " * 700, "max_tokens": 256, "ignore_eos": True, "stream": True}  # @N@:
+# a number of its own each time, so every prompt is new
+DOC = " ".join(f"Section {i}: the handbook's rule number {i} applies to every order." for i in range(90))
+CACHED_ASK = {**ASK, "messages": [{"role": "system", "content": DOC}, *ASK["messages"]],
+              "stream_options": {"include_usage": True}}  # b's answers read a prefix of about 1,300 tokens it cached
 ATTACKS = {  # name -> (a's concurrent clients, the requests each sends in turn)
     "n bomb": (4, [("POST", "/v1/completions", {**PROMPT, "n": 100_000_000})]),
     "bad_words bomb": (4, [("POST", "/v1/completions", {**PROMPT, "bad_words": ["word"] * 100_000}),
@@ -51,6 +58,13 @@ ATTACKS = {  # name -> (a's concurrent clients, the requests each sends in turn)
     "big bodies": (3, [("POST", "/v1/completions", {**LONG, "prompt_logprobs": 20})]),  # 250,000 logprob entries
     "long prompts, small bodies": (3, [("POST", "/v1/completions", {**LONG, "prompt_logprobs": 0})]),  # the control
     "purge flood": (4, [("DELETE", "/v1/cache", None)]),
+    # b's cached prefix under a's load: on a pool a's streams overflow, and with an L2 a's unique prompts churn
+    "running load against b's cache": (8, [("POST", "/v1/completions", FRESH)]),
+    "L2 flood": (8, [("POST", "/v1/completions", {**FRESH, "max_tokens": 4, "stream": False})]),
+}
+CACHE = {  # attack -> the server's flags: a pool that holds b's prefix and a little more (46 KB a token), an L2
+    "running load against b's cache": ("--kv-cache-bytes", str(160 << 20)),
+    "L2 flood": ("--kv-cache-bytes", str(160 << 20), "--disk-cache", "@L2@", "--disk-cache-gb", "0.5"),
 }
 
 
@@ -59,6 +73,7 @@ class Phase:
     ttft: list[float] = field(default_factory=list)  # b's seconds to its first token, a request each
     gaps: list[float] = field(default_factory=list)  # b's seconds between tokens, every request's
     refused: list[int] = field(default_factory=list)  # b's statuses other than 200
+    cached: list[int] = field(default_factory=list)  # b's prompt tokens read from the cache, a request each
 
 
 @dataclass
@@ -80,49 +95,61 @@ class Result:
 
 def measure(model: str, attack: str, rounds: int, n: int, warmup: float) -> Result:
     result = Result(attack)
-    opts = ServerOptions(extra=("--model", model))
-    with LocalServer(opts, ["a", "b"]) as srv, httpx.Client(
-            base_url=srv.url, timeout=600, headers={"Authorization": f"Bearer {srv.keys['b']}"}) as client:
-        stream(client, Phase())  # the first request pays for warm-up
-        for k in range(rounds):
-            for _ in range(n):
-                stream(client, result.quiet)
-            if k == 0:
-                result.hwm_quiet_mb = srv.rss_mb()["peak_rss_mb"]
-            attacker = subprocess.Popen([sys.executable, "-m", "prefixcache.bench.abuse", "--attack", srv.url,
-                                         srv.keys["a"], attack], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True)
-            try:
-                assert attacker.stdout.readline() == "ready\n", "the attacker did not start"
-                start = time.perf_counter()
-                time.sleep(warmup)
-                assert attacker.poll() is None, "the attacker stopped"
-                for _ in range(n):
-                    stream(client, result.flooded)
-                out, _ = attacker.communicate("")
-            finally:
-                attacker.kill()
-            result.attack_s += time.perf_counter() - start
-            got = json.loads(out)
-            result.attacker_cpu_s += got["cpu_s"]
-            for s, c in got["statuses"].items():
-                result.a[int(s)] = result.a.get(int(s), 0) + c
-            idle(srv.url)  # a's cut streams are cancelled before the next quiet phase
-        result.hwm_mb = srv.rss_mb()["peak_rss_mb"]
+    ask = CACHED_ASK if attack in CACHE else ASK
+    with tempfile.TemporaryDirectory() as l2:
+        opts = ServerOptions(extra=("--model", model, *(f.replace("@L2@", l2) for f in CACHE.get(attack, ()))))
+        with LocalServer(opts, ["a", "b"]) as srv, httpx.Client(
+                base_url=srv.url, timeout=600, headers={"Authorization": f"Bearer {srv.keys['b']}"}) as client:
+            _rounds(srv, client, result, ask, rounds, n, warmup)
     return result
 
 
-def stream(client: httpx.Client, phase: Phase) -> None:
-    """One greedy streamed chat answer of b's, its timings added to `phase`."""
+def _rounds(srv: LocalServer, client: httpx.Client, result: Result, ask: dict, rounds: int, n: int,
+            warmup: float) -> None:
+    attack = result.attack
+    stream(client, Phase(), ask)  # the first request pays for warm-up (and caches b's prefix)
+    for k in range(rounds):
+        for _ in range(n):
+            stream(client, result.quiet, ask)
+        if k == 0:
+            result.hwm_quiet_mb = srv.rss_mb()["peak_rss_mb"]
+        attacker = subprocess.Popen([sys.executable, "-m", "prefixcache.bench.abuse", "--attack", srv.url,
+                                     srv.keys["a"], attack], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    text=True)
+        try:
+            assert attacker.stdout.readline() == "ready\n", "the attacker did not start"
+            start = time.perf_counter()
+            time.sleep(warmup)
+            assert attacker.poll() is None, "the attacker stopped"
+            for _ in range(n):
+                stream(client, result.flooded, ask)
+            out, _ = attacker.communicate("")
+        finally:
+            attacker.kill()
+        result.attack_s += time.perf_counter() - start
+        got = json.loads(out)
+        result.attacker_cpu_s += got["cpu_s"]
+        for s, c in got["statuses"].items():
+            result.a[int(s)] = result.a.get(int(s), 0) + c
+        idle(srv.url)  # a's cut streams are cancelled before the next quiet phase
+    result.hwm_mb = srv.rss_mb()["peak_rss_mb"]
+
+
+def stream(client: httpx.Client, phase: Phase, ask: dict) -> None:
+    """One greedy streamed chat answer of b's, its timings (and the cached tokens it read, if asked) added to
+    `phase`."""
     t = time.perf_counter()
     times = []
-    with client.stream("POST", "/v1/chat/completions", json=ASK) as r:
+    with client.stream("POST", "/v1/chat/completions", json=ask) as r:
         if r.status_code != 200:
             phase.refused.append(r.status_code)
             return
         for line in r.iter_lines():
-            if line.startswith("data: {") and any(c["delta"].get("content") for c in json.loads(line[6:])["choices"]):
+            chunk = json.loads(line[6:]) if line.startswith("data: {") else {"choices": []}
+            if any(c["delta"].get("content") for c in chunk["choices"]):
                 times.append(time.perf_counter())
+            if chunk.get("usage"):
+                phase.cached.append(chunk["usage"]["prompt_tokens_details"]["cached_tokens"])
     phase.ttft.append(times[0] - t)
     phase.gaps += [b - a for a, b in zip(times, times[1:])]
 
@@ -144,6 +171,7 @@ def attack(url: str, key: str, name: str) -> dict:
     # encoded once: the client's CPU is b's too
     requests = [(method, path, None if body is None else json.dumps(body).encode()) for method, path, body in bodies]
     statuses: dict[int, int] = {}
+    numbers = itertools.count()
 
     def run() -> None:
         with httpx.Client(base_url=url, timeout=600, headers={"Authorization": f"Bearer {key}",
@@ -153,7 +181,8 @@ def attack(url: str, key: str, name: str) -> dict:
                     if method == "UNREAD":
                         unread(url, key, path, body)
                         continue
-                    with c.stream(method, path, content=body) as r:
+                    fresh = body and body.replace(b"@N@", str(next(numbers)).encode())
+                    with c.stream(method, path, content=fresh) as r:
                         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
                         for _ in r.iter_raw():
                             pass
@@ -207,19 +236,23 @@ def main() -> None:
     lines = ["# Abuse", "", f"{cpu.model} ({' '.join(cpu.simd)}), {cpu.threads} threads; model "
              f"{os.path.basename(model)}; {flags}. Tenant b streams a greedy chat answer of {ASK['max_tokens']} "
              f"tokens, one request after another, {args.n} a phase, {args.rounds} quiet and flooded phases "
-             "alternating; tenant a attacks from its own process, each attack on a server of its own. Target: every "
-             "ratio at most 1.5x. `python -m prefixcache.bench.abuse`.", "",
+             "alternating; tenant a attacks from its own process, each attack on a server of its own. The cache rows "
+             "give b a system prompt of about 1,300 tokens it caches first, on a KV pool of 160 MiB (and an L2 of "
+             "0.5 GiB): a's streams of fresh 700-token prompts overflow it. Target: every ratio at most 1.5x, b's "
+             "cached tokens kept. `python -m prefixcache.bench.abuse`.", "",
              "| attack | a's clients | b's TTFT p90 quiet / flooded (s) | ratio | inter-token p50 quiet / flooded (ms) "
              "| ratio | longest gap quiet / flooded (ms) | ratio | server VmHWM quiet / end (MB) | a's statuses "
-             "| b's refusals | attacker's CPU (cores) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| b's refusals | b's cached tokens quiet / flooded (median) | attacker's CPU (cores) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         q, f, x = r["quiet"], r["flooded"], r["ratios"]
         a = ", ".join(f"{c}× {s}" for s, c in sorted(r["a"].items()))
+        cached = f"{median(q['cached']):.0f} / {median(f['cached']):.0f}" if r["attack"] in CACHE else "-"
         lines.append(f"| {r['attack']} | {ATTACKS[r['attack']][0]} | {p90(q['ttft']):.3f} / {p90(f['ttft']):.3f} | "
                      f"{x['ttft_p90']:.2f}x | {1e3 * median(q['gaps']):.1f} / {1e3 * median(f['gaps']):.1f} | "
                      f"{x['itl_p50']:.2f}x | {1e3 * max(q['gaps']):.0f} / {1e3 * max(f['gaps']):.0f} | "
                      f"{x['max_gap']:.2f}x | {r['hwm_quiet_mb']:.0f} / {r['hwm_mb']:.0f} | {a} | "
-                     f"{len(f['refused'])} | {r['attacker_cpu_s'] / r['attack_s']:.2f} |")
+                     f"{len(f['refused'])} | {cached} | {r['attacker_cpu_s'] / r['attack_s']:.2f} |")
     with open(f"{args.out}/abuse.md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
