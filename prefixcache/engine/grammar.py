@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 import xgrammar as xgr
@@ -28,9 +28,6 @@ import xgrammar as xgr
 from prefixcache.cache.fair import FairThread
 from prefixcache.cache.scope import CacheScope
 from prefixcache.cache.tenant_lru import TenantLru
-
-if TYPE_CHECKING:  # the sequence holds a guide and a matcher: its module imports this one
-    from prefixcache.engine.sequence import Sequence
 
 KINDS = ("json_object", "json_schema", "regex", "choice")
 TENANT_SCOPES = 4  # scopes (label sets, salts) of one tenant with compiled grammars kept
@@ -80,7 +77,7 @@ class Grammars:
             raise Busy(f"{COMPILES} guides of this tenant are waiting to compile; retry when they are done")
         return future
 
-    def hand(self, waiting: "Iterable[Sequence]") -> "list[tuple[Sequence, BaseException]]":
+    def hand(self, waiting: Iterable["Guided"]) -> list[tuple["Guided", BaseException]]:
         """Give the waiting requests whose grammar has compiled their matchers (a sample each); returns those whose
         guide did not compile, with why (a ValueError: the request's fault, a 400)."""
         failed = []
@@ -128,6 +125,14 @@ class _Compiler:
     """A scope's compiler, made on the grammar thread on its first guide."""
 
     compiler: xgr.GrammarCompiler | None = None
+
+
+class Guided(Protocol):
+    """A request as Grammars.hand sees it (engine/sequence.py's Sequence)."""
+
+    grammar: Future | None  # its guide's compile, until handed
+    matcher: "Matcher | None"
+    forks: list["Guided"]  # its other samples, each given a matcher of its own
 
 
 class Matcher:
