@@ -19,7 +19,7 @@ class Mailbox:
     def __init__(self):
         self.waiting: deque[Update] = deque()
         self.latest: dict[int, Update] = {}  # each sample's latest waiting update
-        self.error: Update | None = None  # once set, the request's only remaining update
+        self.error: Update | None = None  # once set, the request's last update, after those waiting
         self.ready = asyncio.Event()
         self.read_at = time.monotonic()  # when the handler last took an update (or the request began)
 
@@ -28,8 +28,6 @@ class Mailbox:
             return
         if update.error is not None:
             self.error = update
-            self.waiting.clear()
-            self.latest.clear()
         elif len(self.waiting) >= MERGE_AFTER and (w := self.latest.get(update.index)) is not None:
             w.merge(update)
         else:
@@ -42,7 +40,7 @@ class Mailbox:
             self.ready.clear()
             await self.ready.wait()
         self.read_at = time.monotonic()
-        if self.error is not None:
+        if not self.waiting:
             return self.error
         u = self.waiting.popleft()
         if self.latest.get(u.index) is u:
