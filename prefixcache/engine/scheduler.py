@@ -142,7 +142,7 @@ class Scheduler:
         if shares.cap is not None:
             plan = self._first_token_lane(plan)
         plan = bounded(plan, self.cost, self.shares, self.slowdown, self.usage.tenants(self.running, self.waiting),
-                       self.usage.tokens)
+                       self.usage)
         self.steps += 1
         for seq, _ in plan:
             seq.ran_at = self.steps

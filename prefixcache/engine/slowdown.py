@@ -11,14 +11,15 @@ row in the step still waits for it (for its next first token) and counts with no
 decode rows of the tenant with the most by weight, the ones that ran most recently first (so that its sequences take
 turns), until it holds; a tenant keeps at least one. A tenant alone in the engine is never held back.
 
-Prompt chunks are held to the same bound, for each tenant with decode rows in the step, when they are of a tenant
-that has had more engine time lately than it (engine/usage.py): then they take at most `slowdown` times that
-tenant's rows and chunks alone, or, where that is longer, as many tokens as it has rows (by weight), the largest
-chunk cut first. A prompt of 3,000 tokens beside another tenant's one stream stretched each of the stream's steps
-from 8 ms to 0.7 s (512 tokens a step); now its tokens come at most half again as slowly, and the heavy tenant's
-prompt takes the rest of the machine in smaller chunks. A request of a tenant that has had less is not cut (its
-first token is not made to wait for others' streams), nor are a tenant's own chunks beside its own rows. Costs are
-the step cost's predictions (engine/step_cost.py).
+Prompt chunks are held to the same bound, for each tenant with decode rows in the step (or with nothing in it that
+has just finished a request: its next one runs in a lane step inside this one, and gets its second token only after
+it), when they are of a tenant that has had more engine time lately than it (engine/usage.py): then they take at
+most `slowdown` times that tenant's rows and chunks alone, or, where that is longer, as many tokens as it has rows
+(by weight), the largest chunk cut first. A prompt of 3,000 tokens beside another tenant's one stream stretched each
+of the stream's steps from 8 ms to 0.7 s (512 tokens a step); now its tokens come at most half again as slowly, and
+the heavy tenant's prompt takes the rest of the machine in smaller chunks. A request of a tenant that has had less
+is not cut (its first token is not made to wait for others' streams), nor are a tenant's own chunks beside its own
+rows. Costs are the step cost's predictions (engine/step_cost.py).
 """
 import math
 from collections import Counter
@@ -26,12 +27,13 @@ from collections import Counter
 from prefixcache.cache.shares import guarantees
 from prefixcache.engine.sequence import Sequence
 from prefixcache.engine.step_cost import StepCost, Work
+from prefixcache.engine.usage import Usage
 
 Plan = list[tuple[Sequence, int]]
 
 
 def bounded(plan: Plan, cost: StepCost, shares: dict[str, float], slowdown: float, tenants: set[str],
-            usage: dict[str, float]) -> Plan:
+            usage: Usage) -> Plan:
     """The plan without the decode rows, and with prompt chunks cut, that would slow another tenant's tokens past the
     bound (see the module), for `tenants`, those with work; `usage`: their engine time lately."""
     rows: dict[str, list[Sequence]] = {t: [] for t in tenants}  # decode rows by tenant, least recently run first
@@ -53,7 +55,10 @@ def bounded(plan: Plan, cost: StepCost, shares: dict[str, float], slowdown: floa
         rows[heavy].pop()
     kept = {seq.id for r in rows.values() for seq in r}
     plan = [(seq, n) for seq, n in plan if seq.num_uncomputed > 1 or seq.id in kept]
-    return _chunks(plan, cost, weight, slowdown, {t: len(r) for t, r in rows.items() if r}, usage)
+    # a tenant between two requests, as if it had one row (its next may run in a lane step inside this one)
+    between = {t: 1 for t in usage.finished if t in rows and not rows[t] and all(s.scope.tenant != t for s, _ in plan)}
+    return _chunks(plan, cost, weight, slowdown, {**between, **{t: len(r) for t, r in rows.items() if r}},
+                   usage.tokens)
 
 
 def _chunks(plan: Plan, cost: StepCost, weight: dict[str, float], slowdown: float, decoding: dict[str, int],

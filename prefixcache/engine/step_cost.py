@@ -55,17 +55,20 @@ class StepCost:
     def fit(self) -> None:
         """Ridge least squares toward the prior, each part at least zero: a part the fit would make negative is set to
         zero and the others fitted again without it (clipping it alone would leave the others' error in: after one
-        step of 512 prompt tokens, 1.2 s predicted for that very step against 0.55 s seen)."""
+        step of 512 prompt tokens, 1.2 s predicted for that very step against 0.55 s seen). Errors count relative to
+        each step's length: absolute ones let the long prefill steps set the fixed part, and a decode step of 5 ms
+        was predicted at 30 (engine/slowdown.py bounds others' work by it)."""
         self.unfit = 0
         data = np.array(self.seen)
-        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+        w = 1 / np.maximum(data[:, 2], 1e-3)  # each step's error relative to its length
+        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]]) * w[:, None]
         scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # columns to one range, so the ridge weighs each alike
         xs, prior = x / scale, PRIOR * scale
         free = [0, 1, 2]
         while True:
             coef = np.zeros(3)
             a, ridge = xs[:, free], PRIOR_WEIGHT * np.eye(len(free))
-            coef[free] = np.linalg.solve(a.T @ a + ridge, a.T @ data[:, 2] + ridge @ prior[free])
+            coef[free] = np.linalg.solve(a.T @ a + ridge, a.T @ (data[:, 2] * w) + ridge @ prior[free])
             if coef.min() >= 0:
                 break
             free.remove(int(coef.argmin()))

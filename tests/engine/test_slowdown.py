@@ -9,6 +9,7 @@ from prefixcache import LLM, CacheScope, SamplingParams
 from prefixcache.engine.sequence import Sequence
 from prefixcache.engine.slowdown import bounded
 from prefixcache.engine.step_cost import StepCost, Work
+from prefixcache.engine.usage import Usage
 
 COEF = (0.014, 0.002, 0.0)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -30,10 +31,13 @@ def decodes(tenant: str, k: int) -> list[tuple[Sequence, int]]:
     return plan
 
 
-def bound(plan, coef=COEF, shares=None, slowdown=1.5, others=(), usage=None) -> list:
+def bound(plan, coef=COEF, shares=None, slowdown=1.5, others=(), usage=None, finished=()) -> list:
     """bounded() for the plan's tenants and `others` with work but no row in it; `usage`: their engine time lately
-    (none by default)."""
-    return bounded(plan, cost(coef), shares or {}, slowdown, set(tenants(plan)) | set(others), usage or {})
+    (none by default), `finished`: those of them that have just finished a request."""
+    lately = Usage()
+    lately.tokens = usage or {}
+    lately.finished = dict.fromkeys(finished, 0.0)
+    return bounded(plan, cost(coef), shares or {}, slowdown, set(tenants(plan)) | set(others), lately)
 
 
 def tenants(plan) -> dict[str, int]:
@@ -98,6 +102,15 @@ def test_a_heavy_tenants_long_prompt_beside_another_tenants_stream_is_cut_to_the
     assert tenants(bound(decodes("b", 3) + [prompt("a", 512)], usage=HEAVY_A)) == {"a": 5, "b": 3}  # 30 ms in all
     rows_cost = (0.001, 0.01, 0.0)  # b's 3 rows alone: 31 ms, so 46.5 ms in all: one token of a's would fit
     assert tenants(bound(decodes("b", 3) + [prompt("a", 512)], rows_cost, usage=HEAVY_A)) == {"a": 3, "b": 3}
+
+
+def test_a_heavy_tenants_prompt_is_cut_while_another_is_between_two_requests():
+    """b has just finished a request and has nothing in the step: its next runs in a lane step inside it, and gets
+    its second token only after it. The bound is 21 ms (b's nothing: 14 ms), so a keeps one token, b's one row's
+    worth; a tenant that is only waiting cuts no chunk (its request could not be admitted into a step so cut)."""
+    plan = [prompt("a", 512)]
+    assert tenants(bound(plan, others={"b"}, usage=HEAVY_A, finished={"b"})) == {"a": 3}
+    assert bound(plan, others={"b"}, usage=HEAVY_A) == plan
 
 
 def test_a_prompt_is_not_cut_beside_its_own_tenants_stream_nor_if_its_tenant_has_had_less():
