@@ -62,6 +62,8 @@ class Config:
     redis_url: str = ""  # L3, shared by replicas, and the KV event stream: redis://HOST:PORT/DB
     redis_kv: bool = True  # keep KV blocks in Redis (L3); off: Redis carries only the KV events (for routers)
     redis_ttl: float = 3600.0  # seconds an L3 entry without a TTL of its own lives (pinned ones: for ever)
+    redis_owner_blocks: int = 0  # L3 blocks one owner (tenant and labels) may keep, its soonest to expire out first
+    # (0: no cap; Redis's volatile-lru is over everyone: set it so that the owners' caps fit Redis's maxmemory)
     # secrets come from files or the environment, never from a value here (cache/credentials.py):
     redis_password_file: str = ""  # "": $PREFIXCACHE_REDIS_PASSWORD, if set
     tier_secret_file: str = ""  # the key of L2/L3 records' MACs; "": $PREFIXCACHE_TIER_SECRET, else one of this

@@ -4,7 +4,9 @@ Key: prefixcache:kv:<owner hex>:<block key hex>. Each owner's keys are also list
 prefixcache:keys:<owner hex>, scored by when they expire (pinned: never), trimmed of the expired at every write: a
 tenant's purge reads its own set, never the keyspace every replica and tenant shares. Every entry expires (its TTL,
 else `ttl` seconds) unless pinned; run Redis with `--maxmemory-policy volatile-lru` so that it evicts the least
-recently used expiring entries and never a pinned one (the set, which never expires, neither).
+recently used expiring entries and never a pinned one (the set, which never expires, neither). That LRU is over every
+tenant: with `owner_blocks`, an owner keeps at most that many blocks, its soonest to expire out first at its own
+write (pinned ones last), so with the caps inside Redis's maxmemory one tenant's flood turns over its own.
 
 Every call has a socket timeout. After `failures` errors in a row the breaker opens: calls are skipped (a miss,
 a dropped write) for `cooldown` seconds, then one call tries again. Callers see misses, never exceptions.
@@ -16,6 +18,19 @@ import redis
 
 PREFIX = "prefixcache:kv:"
 INDEX = "prefixcache:keys:"
+# KEYS: the entry, its owner's set; ARGV: the data, seconds, now, the owner's cap (0: none), the block key, the owner's
+# prefix. One round trip, and no other write between the set's count and its trim.
+PUT = """
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('ZADD', KEYS[2], tonumber(ARGV[3]) + tonumber(ARGV[2]), ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[3])
+local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
+if tonumber(ARGV[4]) > 0 and over > 0 then
+  local popped = redis.call('ZPOPMIN', KEYS[2], over)
+  for i = 1, #popped, 2 do redis.call('UNLINK', ARGV[6] .. popped[i]) end
+end
+return 1
+"""
 
 
 @dataclass
@@ -54,11 +69,13 @@ class RedisTier:
     timeout: float = 0.5  # seconds, per call
     breaker: Breaker = field(default_factory=Breaker)
     password: str | None = field(default=None, repr=False)  # AUTH; a password in the URL wins, as redis-py does
+    owner_blocks: int = 0  # blocks one owner may keep (0: no cap)
     name = "L3"
 
     def __post_init__(self):
         self.client = redis.Redis.from_url(self.url, password=self.password, socket_timeout=self.timeout,
                                            socket_connect_timeout=self.timeout)
+        self.put_script = self.client.register_script(PUT)
 
     def get_many(self, blocks: list[tuple[str, str]]) -> list[bytes | None]:
         """One round trip (MGET) for a run of (owner, key) blocks; all misses if Redis is unreachable."""
@@ -68,15 +85,8 @@ class RedisTier:
 
     def put(self, owner: str, key: str, data: bytes, ttl: float | None) -> bool:
         seconds = max(1, round(ttl if ttl is not None else self.ttl))
-
-        def run(c):
-            now = time.time()
-            pipe = c.pipeline(transaction=False)
-            pipe.set(_name(owner, key), data, ex=seconds)
-            pipe.zadd(INDEX + owner, {key: now + seconds})
-            pipe.zremrangebyscore(INDEX + owner, "-inf", now)
-            return pipe.execute()
-        return self._call(run) is not None
+        return self._call(lambda c: self.put_script(keys=[_name(owner, key), INDEX + owner], args=[
+            data, seconds, time.time(), self.owner_blocks, key, f"{PREFIX}{owner}:"], client=c)) is not None
 
     def persist(self, owner: str, keys: list[str], pinned: bool) -> None:
         """Pinned entries never expire; unpinned ones expire again after `ttl`."""

@@ -32,7 +32,8 @@ def open_tiers(cfg: Config, model: ModelConfig, replica_id: str) -> Tiers:
     disk = DiskTier(cfg.disk_cache, int(cfg.disk_cache_gb * 2**30)) if cfg.disk_cache else None
     secret = tier_secret(cfg.tier_secret_file, cfg.disk_cache, l3)  # after DiskTier, which makes the folder
     password = redis_password(cfg.redis_password_file) if cfg.redis_url else None
-    remote = RedisTier(cfg.redis_url, cfg.redis_ttl, password=password) if l3 else None
+    remote = RedisTier(cfg.redis_url, cfg.redis_ttl, password=password, owner_blocks=cfg.redis_owner_blocks) \
+        if l3 else None
     events = KVEvents(cfg.redis_url, replica_id, password=password) if cfg.redis_url else None
     shape = (model.num_layers, cfg.block_size, model.num_kv_heads, model.head_dim)
     return Tiers(shape, getattr(torch, cfg.kv_storage_dtype), disk, remote, events, secret=secret)

@@ -21,7 +21,7 @@ from prefixcache.cache.credentials import SECRET_FILE, TIER_SECRET_ENV, tier_sec
 from prefixcache.cache.disk import DiskTier
 from prefixcache.cache.policy import Breakpoint
 from prefixcache.cache.record import BadRecord, Record, decode, encode
-from prefixcache.cache.remote import INDEX, PREFIX
+from prefixcache.cache.remote import INDEX, PREFIX, RedisTier
 from prefixcache.cache.scope import CacheScope
 from prefixcache.cache.tiers import OWNER_QUEUE, QUEUE, Tiers, owner_id
 from prefixcache.engine.engine import Engine
@@ -513,3 +513,21 @@ def test_one_owners_flood_of_writes_drops_its_own_not_anothers(tmp_path):
     assert OWNER_QUEUE <= len({k for k in on_disk if k.startswith("a")}) <= OWNER_QUEUE + 1  # and the one under way
     assert tiers.stats()["counts"]["L2_writes_dropped"] == QUEUE + 50 - len(on_disk) + 5
     tiers.close()
+
+
+def test_an_owner_over_its_redis_cap_turns_over_its_own_blocks(redis_proc):
+    """With --redis-owner-blocks 5, a's 20 writes leave a's 5 latest (the soonest to expire go first), and b's 3,
+    written before them, all stay: Redis's own LRU, over everyone, never has to choose."""
+    tier = RedisTier(redis_proc.url, owner_blocks=5)
+    for i in range(3):
+        assert tier.put("owner-b", f"b{i}", b"x" * 100, 100.0)
+    for i in range(20):
+        assert tier.put("owner-a", f"a{i}", b"x" * 100, 100.0 + i)
+    r = redis_proc.client()
+
+    def kept(owner: str) -> list[str]:
+        return sorted(k.decode().rsplit(":", 1)[1] for k in r.scan_iter(f"{PREFIX}{owner}:*"))
+
+    assert kept("owner-a") == [f"a{i}" for i in range(15, 20)] and kept("owner-b") == ["b0", "b1", "b2"]
+    assert r.zcard(f"{INDEX}owner-a") == 5
+    assert tier.get_many([("owner-a", "a19"), ("owner-a", "a0"), ("owner-b", "b0")]) == [b"x" * 100, None, b"x" * 100]
