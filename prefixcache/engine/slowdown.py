@@ -15,11 +15,11 @@ Prompt chunks are held to the same bound, for each tenant with decode rows in th
 has just finished a request: its next one runs in a lane step inside this one, and gets its second token only after
 it), when they are of a tenant that has had more engine time lately than it (engine/usage.py): then they take at
 most `slowdown` times that tenant's rows and chunks alone, or, where that is longer, as many tokens as it has rows
-(by weight), the largest chunk cut first. A prompt of 3,000 tokens beside another tenant's one stream stretched each
-of the stream's steps from 8 ms to 0.7 s (512 tokens a step); now its tokens come at most half again as slowly, and
-the heavy tenant's prompt takes the rest of the machine in smaller chunks. A request of a tenant that has had less
-is not cut (its first token is not made to wait for others' streams), nor are a tenant's own chunks beside its own
-rows. Costs are the step cost's predictions (engine/step_cost.py).
+(by weight), the largest chunk cut first. Another tenant's 3,000-token prompts (512 tokens a step) took a stream's
+inter-token p50 from 7 ms to 0.9 s; now to 18 ms (bench/results/abuse-issue57.md): what is left is the heavy
+tenant's one token at a long context, whose step reads its whole KV, an equal part. A request of a tenant that has
+had less is not cut (its first token is not made to wait for others' streams), nor are a tenant's own chunks beside
+its own rows. Costs are the step cost's predictions (engine/step_cost.py).
 """
 import math
 from collections import Counter
