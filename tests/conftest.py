@@ -12,6 +12,8 @@ from prefixcache.engine.sequence import SamplingParams
 from prefixcache.models.catalog import default_model_path
 from prefixcache.models.loader import tokenizer
 
+pytest_plugins = ["tier_fixtures"]  # the tier tests' fixtures (tests/cache/test_tier*.py)
+
 
 def _tiny_model(folder: str, model_type: str, bias: bool, seed: int) -> str:
     """A random-weight Llama/Qwen2 with the default model's tokenizer: fast, but real code paths."""

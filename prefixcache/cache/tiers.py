@@ -225,7 +225,7 @@ class Tiers:
         with self.done:
             full = self.pending >= QUEUE
             self.pending += 1
-        while full and not always or not self.jobs.put(job[1] or "", job):
+        while (full and not always) or not self.jobs.put(job[1] or "", job):
             if not always:
                 self._count(job[0], "writes_dropped")
                 self._done()
