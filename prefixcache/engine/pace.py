@@ -78,17 +78,6 @@ class Pace:
         return not self.hopeless(seq, work, now) and now + self.cost.seconds(step) + self.cost.seconds(work) > \
             self.deadline(seq)
 
-    def fit(self, context: int, n: int, step: Work, slack: float, least: int) -> int:
-        """The most of n prompt tokens after `context` that a step of `step` so far can add within its slack, but at
-        least `least` (a block's worth; n, if fewer), so that an admitted prompt always moves on."""
-        if self.cost.seconds(step + Work.chunk(context, n)) <= slack:
-            return n
-        lo, hi = min(n, least), n  # lo fits (or is the floor), hi does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.cost.seconds(step + Work.chunk(context, mid)) <= slack else (lo, mid)
-        return lo
-
     def kept(self, waiting: list[tuple[Sequence, int]], step: Work, slack: float, now: float) -> Work:
         """The part of the step's slack kept for the waiting requests (with their cached tokens) that fit in it whole
         and can still meet their first token (a short suffix past a cached prefix, mostly): a running prompt's chunk
@@ -106,7 +95,7 @@ class Pace:
         sequence decoding would make every step longer than the TPOT objective. First (`whole`): all of them, if
         they fit the step's slack, or waiting longer would make it miss its first token's deadline and the longer
         step costs no answer under way its objective (`limits`: spares' two). Then, from what slack is left: a
-        chunk, if `least` tokens fit (fit)."""
+        chunk, if `least` tokens fit (StepCost.most)."""
         work = to_first_token(seq, cached)
         if not self.room(batch, len(seq.tokens)):
             return 0
@@ -115,7 +104,7 @@ class Pace:
             return work.rows if whole else 0
         if whole:
             return 0
-        n = self.fit(cached, work.rows, step, slack, least)
+        n = self.cost.most(step, cached, work.rows, least, slack)
         return n if self.cost.seconds(step + Work.chunk(cached, n)) <= slack else 0
 
 

@@ -87,7 +87,7 @@ class Scheduler:
                 continue
             n = shares.allow(seq, min(seq.num_uncomputed, budget))
             if n > 1 and slack < math.inf:
-                n = self.pace.fit(seq.num_computed, n, step + kept, slack, self.blocks.bs)
+                n = self.pace.cost.most(step + kept, seq.num_computed, n, self.blocks.bs, slack)
             if n == 0:
                 continue
             grow(seq, n, self.running, self.blocks, self.shares, self.preempt)

@@ -81,17 +81,9 @@ def _chunks(plan: Plan, cost: StepCost, weight: dict[str, float], slowdown: floa
             if not cut:
                 break
             seq = max(cut, key=lambda s: sizes[s.id] / weight[s.scope.tenant])
-            sizes[seq.id] = _most(cost, work(skip=seq.id), seq, sizes[seq.id], floor[seq.scope.tenant], limit)
+            sizes[seq.id] = cost.most(work(skip=seq.id), seq.num_computed, sizes[seq.id], floor[seq.scope.tenant],
+                                      limit)
     return [(seq, sizes[seq.id]) for seq, _ in plan]
-
-
-def _most(cost: StepCost, rest: Work, seq: Sequence, n: int, floor: int, limit: float) -> int:
-    """The most of a chunk's n tokens (at least floor) that keep a step of `rest` and the chunk within `limit`."""
-    lo, hi = floor, n  # lo fits (or is the floor), hi does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if cost.seconds(rest + Work.chunk(seq.num_computed, mid)) <= limit else (lo, mid)
-    return lo
 
 
 def _equal(work: dict[str, Work], weight: dict[str, float], t: str) -> Work:

@@ -41,6 +41,17 @@ class StepCost:
         """The predicted seconds of a step of this size."""
         return float(self.coef @ (1.0, work.rows, work.keys))
 
+    def most(self, step: Work, context: int, n: int, least: int, limit: float) -> int:
+        """The most of n prompt tokens after `context` that a step of `step` so far can add within `limit` seconds,
+        but at least `least` (n, if fewer): a prompt's chunk always moves on."""
+        if self.seconds(step + Work.chunk(context, n)) <= limit:
+            return n
+        lo, hi = min(n, least), n  # lo fits (or is the floor), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.seconds(step + Work.chunk(context, mid)) <= limit else (lo, mid)
+        return lo
+
     def per_token(self, context: int) -> float:
         """The predicted seconds one more prompt token after `context` costs a step."""
         return float(self.coef[1] + self.coef[2] * (context + 1))
