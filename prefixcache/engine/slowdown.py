@@ -14,12 +14,14 @@ turns), until it holds; a tenant keeps at least one. A tenant alone in the engin
 Prompt chunks are held to the same bound, for each tenant with decode rows in the step (or with nothing in it that
 has just finished a request: its next one runs in a lane step inside this one, and gets its second token only after
 it), when they are of a tenant that has had more engine time lately than it (engine/usage.py): then they take at
-most `slowdown` times that tenant's rows and chunks alone, or, where that is longer, as many tokens as it has rows
-(by weight), the largest chunk cut first. Another tenant's 3,000-token prompts (512 tokens a step) took a stream's
-inter-token p50 from 7 ms to 0.9 s; now to 18 ms (bench/results/abuse-issue57.md): what is left is the heavy
-tenant's one token at a long context, whose step reads its whole KV, an equal part. A request of a tenant that has
-had less is not cut (its first token is not made to wait for others' streams), nor are a tenant's own chunks beside
-its own rows. Costs are the step cost's predictions (engine/step_cost.py).
+most `slowdown` times that tenant's rows and chunks alone, the largest chunk cut first, to nothing if none fits. A
+token at a long context reads the whole KV before it, so even one can take longer than the bound allows: a chunk held
+back then runs in the slack the steps it waited left (at most HELD of them), and after HELD steps runs anyway, at
+least as many tokens in all as that tenant has rows (by weight): the bound holds on average over the steps it waited.
+Another tenant's 3,000-token prompts (512 tokens a step) took a stream's inter-token p50 from 7 ms to 0.9 s; with a
+token of theirs in every step, to 17 ms; held back, to @P50@ (bench/results/abuse-issue57.md). A request of a
+tenant that has had less is not cut (its first token is not made to wait for others' streams), nor are a tenant's own
+chunks beside its own rows. Costs are the step cost's predictions (engine/step_cost.py).
 """
 import math
 from collections import Counter
@@ -30,6 +32,7 @@ from prefixcache.engine.step_cost import StepCost, Work
 from prefixcache.engine.usage import Usage
 
 Plan = list[tuple[Sequence, int]]
+HELD = 4  # steps in a row a tenant's prompt chunks may be held back whole before they run at least its equal part
 
 
 def bounded(plan: Plan, cost: StepCost, shares: dict[str, float], slowdown: float, tenants: set[str],
@@ -57,33 +60,47 @@ def bounded(plan: Plan, cost: StepCost, shares: dict[str, float], slowdown: floa
     plan = [(seq, n) for seq, n in plan if seq.num_uncomputed > 1 or seq.id in kept]
     # a tenant between two requests, as if it had one row (its next may run in a lane step inside this one)
     between = {t: 1 for t in usage.finished if t in rows and not rows[t] and all(s.scope.tenant != t for s, _ in plan)}
-    return _chunks(plan, cost, weight, slowdown, {**between, **{t: len(r) for t, r in rows.items() if r}},
-                   usage.tokens)
+    return _chunks(plan, cost, weight, slowdown, {**between, **{t: len(r) for t, r in rows.items() if r}}, usage)
 
 
 def _chunks(plan: Plan, cost: StepCost, weight: dict[str, float], slowdown: float, decoding: dict[str, int],
-            usage: dict[str, float]) -> Plan:
+            usage: Usage) -> Plan:
     """The plan with the prompt chunks cut that slow a tenant in `decoding` (by its decode rows) past the bound: of
-    tenants that have had more engine time lately, the largest (by weight) first, each to no fewer tokens than that
-    tenant's rows by weight."""
-    sizes = {seq.id: n for seq, n in plan}
+    tenants that have had more engine time lately, the heaviest (by weight) first, the largest chunk first, to what
+    fits, to nothing if none does; after a tenant's chunks were held back in `held` steps in a row, to what fits that
+    many steps' slack (at most HELD), and after HELD steps, to at least as many tokens in all as that tenant has rows
+    (by weight). The held steps are counted in `usage.held`."""
+    asked = {seq.id: n for seq, n in plan}
+    sizes = dict(asked)
+    prompts = [seq for seq, _ in plan if seq.num_uncomputed > 1]
+    chunks, ids = {seq.scope.tenant for seq in prompts}, {seq.id for seq in prompts}
 
-    def work(skip: int | None = None, tenant: str | None = None) -> Work:
-        return sum((Work.chunk(seq.num_computed, sizes[seq.id]) for seq, _ in plan
-                    if seq.id != skip and tenant in (None, seq.scope.tenant)), Work())
+    def work(tenant: str | None = None, without: str | None = None) -> Work:
+        """The step's work, or a tenant's; `without`: a tenant's prompt chunks left out."""
+        return sum((Work.chunk(seq.num_computed, sizes[seq.id]) for seq, _ in plan if tenant in (None, seq.scope.tenant)
+                    and not (seq.scope.tenant == without and seq.id in ids)), Work())
 
-    for t in sorted(decoding, key=lambda t: cost.seconds(work(tenant=t))):  # the tightest bound first
-        limit = slowdown * cost.seconds(work(tenant=t))
-        floor = {u: max(1, round(decoding[t] * weight[u] / weight[t])) for u in weight}
-        while cost.seconds(work()) > limit:
-            cut = [seq for seq, _ in plan if seq.num_uncomputed > 1 and sizes[seq.id] > floor[seq.scope.tenant]
-                   and usage.get(seq.scope.tenant, 0.0) > usage.get(t, 0.0)]
-            if not cut:
+    def tokens(u: str) -> int:
+        return sum(sizes[seq.id] for seq in prompts if seq.scope.tenant == u)
+
+    for t in sorted(decoding, key=lambda t: cost.seconds(work(t))):  # the tightest bound first
+        bound = slowdown * cost.seconds(work(t))
+        heavier = [u for u in chunks if usage.tokens.get(u, 0.0) > usage.tokens.get(t, 0.0)]
+        for u in sorted(heavier, key=lambda u: tokens(u) / weight[u], reverse=True):
+            if cost.seconds(work()) <= bound:
                 break
-            seq = max(cut, key=lambda s: sizes[s.id] / weight[s.scope.tenant])
-            sizes[seq.id] = cost.most(work(skip=seq.id), seq.num_computed, sizes[seq.id], floor[seq.scope.tenant],
-                                      limit)
-    return [(seq, sizes[seq.id]) for seq, _ in plan]
+            held = min(usage.held.get(u, 0), HELD)
+            limit = bound + held * max(0.0, bound - cost.seconds(work(without=u)))
+            own = sorted((seq for seq in prompts if seq.scope.tenant == u), key=lambda s: sizes[s.id], reverse=True)
+            for seq in own:
+                n, sizes[seq.id] = sizes[seq.id], 0
+                sizes[seq.id] = cost.most(work(), seq.num_computed, n, 0, limit)
+            floor = max(1, round(decoding[t] * weight[u] / weight[t])) if held == HELD else 0
+            for seq in own[::-1]:  # the smallest first: a chunk's cost grows with its prompt's context too
+                sizes[seq.id] += min(asked[seq.id] - sizes[seq.id], max(0, floor - tokens(u)))
+    for u in chunks:
+        usage.held[u] = usage.held.get(u, 0) + 1 if tokens(u) == 0 else 0
+    return [(seq, sizes[seq.id]) for seq, _ in plan if sizes[seq.id]]
 
 
 def _equal(work: dict[str, Work], weight: dict[str, float], t: str) -> Work:

@@ -14,6 +14,7 @@ class Usage:
         self.tokens: dict[str, float] = {}  # tenant -> tokens computed, halved every USAGE_HALF_LIFE
         self.charged_at = time.monotonic()
         self.finished: dict[str, float] = {}  # tenant -> when its last request finished (monotonic)
+        self.held: dict[str, int] = {}  # tenant -> steps in a row its prompt chunks were held back whole (slowdown.py)
 
     def charge(self, plan: list[tuple[Sequence, int]]) -> None:
         """Charge a step to its tenants: the tokens each computed in it, a measure of engine time that does not

@@ -7,7 +7,7 @@ import numpy as np
 
 from prefixcache import LLM, CacheScope, SamplingParams
 from prefixcache.engine.sequence import Sequence
-from prefixcache.engine.slowdown import bounded
+from prefixcache.engine.slowdown import HELD, bounded
 from prefixcache.engine.step_cost import StepCost, Work
 from prefixcache.engine.usage import Usage
 
@@ -100,8 +100,45 @@ def test_a_heavy_tenants_long_prompt_beside_another_tenants_stream_is_cut_to_the
     fifth would make 26 ms); the whole chunk would have made b's step 1,040 ms."""
     assert tenants(bound(decodes("b", 1) + [prompt("a", 512)], usage=HEAVY_A)) == {"a": 4, "b": 1}
     assert tenants(bound(decodes("b", 3) + [prompt("a", 512)], usage=HEAVY_A)) == {"a": 5, "b": 3}  # 30 ms in all
-    rows_cost = (0.001, 0.01, 0.0)  # b's 3 rows alone: 31 ms, so 46.5 ms in all: one token of a's would fit
-    assert tenants(bound(decodes("b", 3) + [prompt("a", 512)], rows_cost, usage=HEAVY_A)) == {"a": 3, "b": 3}
+    rows_cost = (0.001, 0.01, 0.0)  # b's 3 rows alone: 31 ms, so 46.5 ms in all: one token of a's fits
+    assert tenants(bound(decodes("b", 3) + [prompt("a", 512)], rows_cost, usage=HEAVY_A)) == {"a": 1, "b": 3}
+
+
+KEYS_COST = (0.014, 0.002, 3e-6)  # a token at a context of 3,000 costs 11 ms, most of it for the keys it reads
+
+
+def steps(plan, slowdown: float, count: int) -> tuple[list[int], list[float]]:
+    """`count` steps of b's one stream beside a's prompts at a context of 3,000 (cut by bounded()): the tokens a's
+    chunks ran in each, and each step's cost."""
+    usage, step_cost, ran, seconds = Usage(), cost(KEYS_COST), [], []
+    usage.tokens = dict(HEAVY_A)
+    for _ in range(count):
+        kept = bounded(plan, step_cost, {}, slowdown, {"a", "b"}, usage)
+        ran.append(sum(n for seq, n in kept if seq.scope.tenant == "a"))
+        seconds.append(step_cost.seconds(sum((Work.chunk(seq.num_computed, n) for seq, n in kept), Work())))
+    return ran, seconds
+
+
+def long_prompt(tenant: str) -> tuple[Sequence, int]:
+    seq = Sequence(list(range(4000)), GREEDY, CacheScope(tenant=tenant))
+    seq.num_computed = 3000
+    return seq, 512
+
+
+def test_a_heavy_tenants_chunk_that_fits_no_step_waits_and_runs_in_the_slack_of_the_steps_it_waited():
+    """b alone: 16 ms, so a step may take 24 ms; one token of a's at a context of 3,000 would make it 27 ms. a's
+    chunk is held back, then runs in the slack of the step it waited (8 ms) and its own: every other step, and b's
+    steps take 24 ms or less on average, where a token of a's in each would have made it 27."""
+    ran, seconds = steps(decodes("b", 1) + [long_prompt("a")], 1.5, 10)
+    assert ran == [0, 1] * 5
+    assert sum(seconds) / len(seconds) <= 1.5 * cost(KEYS_COST).seconds(Work.chunk(20, 1))
+
+
+def test_a_heavy_tenants_chunks_held_back_run_their_equal_part_in_all_after_held_steps():
+    """With no slack at all (slowdown 1), a's three chunks wait HELD steps, then take one token in all, as many as b
+    has rows, not one each."""
+    ran, _ = steps(decodes("b", 1) + [long_prompt("a") for _ in range(3)], 1.0, 2 * (HELD + 1))
+    assert ran == ([0] * HELD + [1]) * 2
 
 
 def test_a_heavy_tenants_prompt_is_cut_while_another_is_between_two_requests():
