@@ -10,7 +10,7 @@ import time
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.bench.engine import _tokens
-from prefixcache.engine.grammar import Guide
+from prefixcache.engine.guide import Guide
 from prefixcache.models.cpu import cpu_info
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"],

@@ -252,8 +252,9 @@ class Engine:
                                    adapter=self.adapters[adapter].fingerprint if adapter else "")
 
     def close(self) -> None:
-        """Finish the tiers' queued writes and the KV events, and stop their threads."""
+        """Finish the tiers' queued writes and the KV events, and stop their threads and the grammar trial's process."""
         self.blocks.close()
+        self.grammars.close()
         if self.events:
             self.events.close()
 

@@ -11,28 +11,32 @@ used one, so the memory is bounded and no tenant evicts another's below an equal
 its own at a low priority (xgrammar releases the GIL), while the engine serves everyone else; the request waits for
 it the way it waits for a tier lookup. The thread takes the tenants' guides by weight (cache/fair.py), so one
 tenant's many new schemas delay its own requests only; a tenant with COMPILES guides waiting has its next guided
-request refused (a ValueError: a 400). Masking changes only which token is sampled, never a logit the model
-computed, so warm == cold holds for guided requests too.
+request refused (a ValueError: a 400). A guide new to its scope is compiled first in a worker process, under
+limits of CPU time and memory that stop it (engine/grammar_trial.py): a guide past them is refused too. Masking
+changes only which token is sampled, never a logit the model computed, so warm == cold holds for guided requests
+too.
 """
-import json
 import os
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import xgrammar as xgr
+import xxhash
 
 from prefixcache.cache.fair import FairThread
 from prefixcache.cache.scope import CacheScope
 from prefixcache.cache.tenant_lru import TenantLru
+from prefixcache.engine.grammar_trial import Trial
+from prefixcache.engine.guide import Guide
 
-KINDS = ("json_object", "json_schema", "regex", "choice")
 TENANT_SCOPES = 4  # scopes (label sets, salts) of one tenant with compiled grammars kept
 MAX_SCOPES = 16  # ... of all tenants (at most 1 GiB of compiled grammars)
 MAX_GRAMMAR_BYTES = 64 << 20  # compiled grammars kept per scope (a 300-field schema compiles to about 22 MB)
+TRIED = 4096  # guides that passed the trial remembered per scope (past that, forgotten and tried again)
 COMPILES = 64  # guides one tenant may have waiting to compile (a new 300-field schema takes 2-12 s)
 
 
@@ -43,16 +47,6 @@ class Busy(ValueError):
 # 2 cores, while a new 300-field schema compiles): at 0 the decode's median gap rose from about 0.08 s to 0.27 s
 # and the schema took 2 s; at 5, 0.11 s and 5 s; at 10, 0.08 s and 10-12 s (a second with the engine idle).
 NICE = 10
-
-
-@dataclass(frozen=True)
-class Guide:
-    kind: Literal["json_object", "json_schema", "regex", "choice"]
-    spec: str = ""  # json_schema: the schema as JSON text; regex: the pattern; choice: a JSON list of strings
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"guide kind must be one of {KINDS}, got {self.kind!r}")
 
 
 class Grammars:
@@ -66,6 +60,7 @@ class Grammars:
         self.info = self.thread.submit("", xgr.TokenizerInfo.from_huggingface, tokenizer, vocab_size=vocab_size,
                                        stop_token_ids=list(stop_token_ids))
         self.scopes: TenantLru[_Compiler] = TenantLru(TENANT_SCOPES, MAX_SCOPES)
+        self.trial: Trial | None = None  # made on the first guide a scope has not tried
 
     def compile(self, scope: CacheScope, guide: Guide) -> Future:
         """The compiled grammar of a guide for a request of this scope, as a future (soon done if the scope
@@ -105,19 +100,21 @@ class Grammars:
     def clear(self) -> None:
         self.scopes.clear()
 
+    def close(self) -> None:
+        """Stop the trial's worker process."""
+        if self.trial:
+            self.thread.submit("", self.trial.close).result()
+
     def _compile(self, slot: "_Compiler", guide: Guide) -> xgr.CompiledGrammar:
         if slot.compiler is None:  # made here: the tokenizer info is this thread's to wait for
             slot.compiler = xgr.GrammarCompiler(self.info.result(), max_threads=1, cache_limit_bytes=MAX_GRAMMAR_BYTES)
-        compiler = slot.compiler
-        try:
-            if guide.kind in ("json_object", "json_schema"):
-                schema = guide.spec if guide.kind == "json_schema" else '{"type": "object"}'
-                return compiler.compile_json_schema(schema, any_whitespace=False)
-            if guide.kind == "regex":
-                return compiler.compile_regex(guide.spec)
-            return compiler.compile_regex("|".join(_escape(c) for c in json.loads(guide.spec)))
-        except RuntimeError as e:  # xgrammar's error for a schema or pattern it cannot compile
-            raise ValueError(f"cannot compile the {guide.kind} guide: {e}") from None
+        key = xxhash.xxh3_128_digest(f"{guide.kind}:{guide.spec}".encode())
+        if key not in slot.tried:
+            self.trial = self.trial or Trial(self.info.result())
+            self.trial.check(guide)
+            slot.tried = slot.tried if len(slot.tried) < TRIED else set()
+            slot.tried.add(key)
+        return guide.compile(slot.compiler)
 
 
 @dataclass
@@ -125,6 +122,7 @@ class _Compiler:
     """A scope's compiler, made on the grammar thread on its first guide."""
 
     compiler: xgr.GrammarCompiler | None = None
+    tried: set[bytes] = field(default_factory=set)  # the guides that passed the trial (engine/grammar_trial.py)
 
 
 class Guided(Protocol):
@@ -165,7 +163,3 @@ def _low_priority() -> None:
     except (AttributeError, OSError):  # not Linux, or not allowed: compile at the engine's priority
         pass
 
-
-def _escape(text: str) -> str:
-    """A literal string as a regex (xgrammar's dialect: escape every metacharacter)."""
-    return "".join("\\" + c if c in r"\.^$|?*+()[]{}/" else c for c in text)

@@ -11,7 +11,8 @@ from prefixcache.cache.policy import Breakpoint, WritePolicy
 from prefixcache.cache.scope import CacheScope
 from prefixcache.engine.detokenizer import Detokenizer
 from prefixcache.engine.drafting import Drafting
-from prefixcache.engine.grammar import Guide, Matcher
+from prefixcache.engine.grammar import Matcher
+from prefixcache.engine.guide import Guide
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import jinja2
 from pydantic import Field, ValidationInfo, field_validator
 
-from prefixcache.engine.grammar import Guide
+from prefixcache.engine.guide import Guide
 from prefixcache.engine.sequence import SamplingParams
 from prefixcache.prompt import Prompt, fields, render
 from prefixcache.server.auth import client_salt

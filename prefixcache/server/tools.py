@@ -7,7 +7,7 @@ call (it starts like one), and is released as text as soon as it cannot.
 import json
 from dataclasses import dataclass
 
-from prefixcache.engine.grammar import Guide
+from prefixcache.engine.guide import Guide
 from prefixcache.prompt import call_schema, tool_calls
 
 CALL_START = '{"tool_use"'

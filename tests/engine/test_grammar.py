@@ -9,7 +9,8 @@ import torch
 from prefixcache import LLM, SamplingParams
 from prefixcache.cache.scope import CacheScope
 from prefixcache.engine.engine import Engine
-from prefixcache.engine.grammar import MAX_SCOPES, TENANT_SCOPES, Busy, Grammars, Guide
+from prefixcache.engine.grammar import MAX_SCOPES, TENANT_SCOPES, Busy, Grammars
+from prefixcache.engine.guide import Guide
 from prefixcache.models.catalog import default_model_path
 from prefixcache.models.loader import tokenizer as load_tokenizer
 from prefixcache.prompt import call_schema, tool_calls

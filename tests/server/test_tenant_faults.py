@@ -12,7 +12,7 @@ import pytest
 from server_fixtures import Pause, metrics, tiny_tenants_server, until
 
 from prefixcache import LLM, CacheScope, SamplingParams
-from prefixcache.engine.grammar import Guide
+from prefixcache.engine.guide import Guide
 
 B_PROMPT = [5000 + 37 * i % 9000 for i in range(40)]
 B_PARAMS = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
