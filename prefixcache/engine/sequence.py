@@ -153,7 +153,8 @@ class CacheState:
     miss_cause: str = "cold"
     cross_scope_miss: bool = False  # another scope holds the block where the match stopped (operator log only)
     fetch: Future | None = None  # a lookup in the KV tiers below host memory, while it runs
-    fetch_from: int = 0  # the first block it looks up
+    fetch_from: int = 0  # the first block it looks up (then: the first of `found` not loaded yet)
+    found: list = field(default_factory=list)  # what the lookup found, still to load (engine/tiering.py)
     tier_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens loaded from "L2" / "L3"
 
     def by_tier(self) -> dict[str, int]:

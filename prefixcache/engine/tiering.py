@@ -25,6 +25,8 @@ from prefixcache.config import Config
 from prefixcache.engine.sequence import Sequence
 from prefixcache.models.loader import ModelConfig
 
+LOAD_BLOCKS = 32  # found blocks loaded into the pool a step (SmolLM2: 24 MB, a few ms)
+
 
 def open_tiers(cfg: Config, model: ModelConfig, replica_id: str) -> Tiers:
     """The tiers the config names (disk_cache, redis_url), with their secret and the Redis password."""
@@ -104,7 +106,7 @@ class Tiering:
     def prefetch(self, seq: Sequence) -> None:
         """Look up, below L1, the full blocks past the request's L1 match (not its last token's block)."""
         c = seq.cache
-        c.fetch, c.fetch_from = None, 0
+        c.fetch, c.fetch_from, c.found = None, 0, []
         if not self.blocks.reads_cache(seq):
             return
         first = len(self.blocks.match(seq).nodes)
@@ -114,15 +116,21 @@ class Tiering:
             c.fetch, c.fetch_from = self.tiers.fetch(wanted, seq.scope.tenant), first
 
     def ready(self, seq: Sequence) -> bool:
-        """False while the request's lookup runs; once it is done, load what it found (once) and say True."""
+        """False while the request's lookup runs, and while what it found is loaded, LOAD_BLOCKS blocks a call (a
+        call a step: a long prompt's blocks do not hold up one step for everyone); True once all are in the cache."""
         c = seq.cache
-        if c.fetch is None:
+        if c.fetch is not None:
+            if not c.fetch.done():
+                return False
+            c.found, c.fetch = c.fetch.result(), None
+        if not c.found:
             return True
-        if not c.fetch.done():
-            return False
-        found, c.fetch = c.fetch.result(), None
-        self._load(seq, c.fetch_from, found)
-        return True
+        piece, c.found = c.found[:LOAD_BLOCKS], c.found[LOAD_BLOCKS:]
+        loaded = self._load(seq, c.fetch_from, piece)
+        c.fetch_from += loaded
+        if loaded < len(piece):  # stopped (no room, or the chain was evicted): the rest is computed
+            c.found = []
+        return not c.found
 
     def set_shares(self, shares: dict[str, float]) -> None:
         self.tiers.set_shares(shares)
@@ -144,13 +152,14 @@ class Tiering:
         self.tiers.close()
 
     # ---- helpers ------------------------------------------------------------------------------------------
-    def _load(self, seq: Sequence, first: int, found: list) -> None:
-        """Put found blocks first.. into the pool and the cache, under the request's L1 match. Every node of the
-        chain is held while later blocks are allocated, so making room cannot evict the chain being built."""
-        c, held = seq.cache, []
+    def _load(self, seq: Sequence, first: int, found: list) -> int:
+        """Put found blocks first.. into the pool and the cache, under the request's L1 match; returns how many
+        went in. Every node of the chain is held while later blocks are allocated, so making room cannot evict the
+        chain being built."""
+        c, held, loaded = seq.cache, [], 0
         parent = self.cache.get(c.keys[first - 1]) if first else None
-        if first and parent is None:  # the L1 match shrank since the lookup: its blocks are recomputed
-            return
+        if first and parent is None:  # the L1 match shrank since the lookup (or the last piece was evicted)
+            return 0
         if parent is not None:
             self.pool.ref(parent.block)
             held.append(parent)
@@ -188,8 +197,10 @@ class Tiering:
                 self.pool.write(node.block, f.record.k, f.record.v, local=True)
                 if c.num_cached is None:
                     c.tier_tokens[f.tier] = c.tier_tokens.get(f.tier, 0) + self.bs
+            loaded += 1
         for node in held:
             self.pool.unref(node.block)
+        return loaded
 
     def _owner(self, node: Node) -> str:
         return owner_id(self.cache.owner(node))

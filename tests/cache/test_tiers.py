@@ -46,6 +46,24 @@ def test_evicted_blocks_spill_to_disk_and_survive_a_restart(tiny_model, tmp_path
     assert_cold(result, cold)
 
 
+def test_found_blocks_load_a_piece_a_step_and_give_the_cold_output(tiny_model, tmp_path, cold, monkeypatch):
+    """A long prompt's blocks found below L1 are loaded LOAD_BLOCKS a step (4 here: 18 blocks in 5 steps), not all in
+    one step that every other request waits for."""
+    a = llm(tiny_model, disk_cache=str(tmp_path))
+    a.generate([PROMPT], GREEDY)
+    flood(a)  # spilled to disk
+    a.engine.close()
+    monkeypatch.setattr("prefixcache.engine.tiering.LOAD_BLOCKS", 4)
+    restarted = llm(tiny_model, disk_cache=str(tmp_path))
+    pieces, load = [], restarted.engine.blocks.tiering._load
+    restarted.engine.blocks.tiering._load = lambda seq, first, found: pieces.append(len(found)) or load(seq, first,
+                                                                                                      found)
+    result = generate_with_logits(restarted, [PROMPT])
+    assert pieces == [4, 4, 4, 4, 2]
+    assert result[0][0].cached_by_tier["L2"] == 288
+    assert_cold(result, cold)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A file system of 32 KiB (a tmpfs of its own): the disk tier's writes soon meet the kernel's ENOSPC."""
