@@ -157,7 +157,7 @@ class Engine:
         plan = [(seq, n + len(drafts.get(seq.id, ()))) for seq, n in plan]
         work, started = Work(), time.monotonic()
         for seq, n in plan:
-            work += Work.chunk(seq.num_computed, n)
+            work += seq.work(n)
             prompt = max(0, min(seq.num_computed + n, seq.num_prompt) - seq.num_computed)
             self.step_tokens["prefill"] += prompt
             self.step_tokens["decode"] += n - prompt

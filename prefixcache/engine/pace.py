@@ -104,7 +104,7 @@ class Pace:
             return work.rows if whole else 0
         if whole:
             return 0
-        n = self.cost.most(step, cached, work.rows, least, slack)
+        n = self.cost.most(step, lambda m: Work.chunk(cached, m), work.rows, least, slack)
         return n if self.cost.seconds(step + Work.chunk(cached, n)) <= slack else 0
 
 

@@ -87,7 +87,7 @@ class Scheduler:
                 continue
             n = shares.allow(seq, min(seq.num_uncomputed, budget))
             if n > 1 and slack < math.inf:
-                n = self.pace.cost.most(step + kept, seq.num_computed, n, self.blocks.bs, slack)
+                n = self.pace.cost.most(step + kept, seq.work, n, self.blocks.bs, slack)
             if n == 0:
                 continue
             grow(seq, n, self.running, self.blocks, self.shares, self.preempt)
@@ -95,7 +95,7 @@ class Scheduler:
                 plan.append((seq, n))
                 budget -= n
                 shares.take(seq, n)
-                step += Work.chunk(seq.num_computed, n) if n > 1 else Work(0, seq.num_computed + 1)
+                step += seq.work(n) if n > 1 else Work(0, seq.num_computed + 1)
         plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
         batch = Work(len(self.running), sum(len(s.tokens) for s in self.running))  # as the running ones are now
         if order is None or self.num_preemptions != preempted:
@@ -132,7 +132,7 @@ class Scheduler:
                 plan.append((seq, n))
                 budget -= n
                 shares.take(seq, n)
-                step += Work.chunk(seq.num_computed, n)
+                step += seq.work(n)
                 batch += Work(1, len(seq.tokens))
                 due_in = self.pace.deadline(seq) - now if self.pace and n == seq.num_uncomputed else math.inf
                 if due_in >= self.cost.seconds(step):  # its first token comes with this step, in time

@@ -13,6 +13,7 @@ from prefixcache.engine.detokenizer import Detokenizer
 from prefixcache.engine.drafting import Drafting
 from prefixcache.engine.grammar import Matcher
 from prefixcache.engine.guide import Guide
+from prefixcache.engine.step_cost import Work
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 
@@ -222,6 +223,10 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob | None] | None = \
             [None] * self.num_prompt if params.prompt_logprobs is not None else None
+
+    def work(self, n: int) -> Work:
+        """Its next n tokens, as a step's cost counts them (engine/step_cost.py)."""
+        return Work.chunk(self.num_computed, n, logits=self.prompt_logprobs is not None and self.num_uncomputed > 1)
 
     @property
     def output_ids(self) -> list[int]:

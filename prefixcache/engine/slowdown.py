@@ -45,10 +45,10 @@ def bounded(plan: Plan, cost: StepCost, shares: dict[str, float], slowdown: floa
             rows.setdefault(seq.scope.tenant, []).append(seq)
     if len(rows) < 2 or slowdown == math.inf:
         return plan
-    prompts = sum((Work.chunk(seq.num_computed, n) for seq, n in plan if seq.num_uncomputed > 1), Work())
+    prompts = sum((seq.work(n) for seq, n in plan if seq.num_uncomputed > 1), Work())
     weight = {t: max(w, 1e-9) for t, w in guarantees(Counter(dict.fromkeys(rows, 1)), shares, 1).items()}
     while True:
-        work = {t: sum((Work.chunk(seq.num_computed, 1) for seq in r), Work()) for t, r in rows.items()}
+        work = {t: sum((seq.work(1) for seq in r), Work()) for t, r in rows.items()}
         step = cost.seconds(prompts + sum(work.values(), Work()))
         bound = min(max(slowdown * cost.seconds(prompts + work[t]), cost.seconds(prompts + _equal(work, weight, t)))
                     for t in rows)
@@ -77,7 +77,7 @@ def _chunks(plan: Plan, cost: StepCost, weight: dict[str, float], slowdown: floa
 
     def work(tenant: str | None = None, without: str | None = None) -> Work:
         """The step's work, or a tenant's; `without`: a tenant's prompt chunks left out."""
-        return sum((Work.chunk(seq.num_computed, sizes[seq.id]) for seq, _ in plan if tenant in (None, seq.scope.tenant)
+        return sum((seq.work(sizes[seq.id]) for seq, _ in plan if tenant in (None, seq.scope.tenant)
                     and not (seq.scope.tenant == without and seq.id in ids)), Work())
 
     def tokens(u: str) -> int:
@@ -94,7 +94,7 @@ def _chunks(plan: Plan, cost: StepCost, weight: dict[str, float], slowdown: floa
             own = sorted((seq for seq in prompts if seq.scope.tenant == u), key=lambda s: sizes[s.id], reverse=True)
             for seq in own:
                 n, sizes[seq.id] = sizes[seq.id], 0
-                sizes[seq.id] = cost.most(work(), seq.num_computed, n, 0, limit)
+                sizes[seq.id] = cost.most(work(), seq.work, n, 0, limit)
             floor = max(1, round(decoding[t] * weight[u] / weight[t])) if held == HELD else 0
             for seq in own[::-1]:  # the smallest first: a chunk's cost grows with its prompt's context too
                 sizes[seq.id] += min(asked[seq.id] - sizes[seq.id], max(0, floor - tokens(u)))
@@ -108,5 +108,5 @@ def _equal(work: dict[str, Work], weight: dict[str, float], t: str) -> Work:
     total = Work()
     for u, w in work.items():
         cap = max(1, round(work[t].rows * weight[u] / weight[t]))
-        total += w if w.rows <= cap else Work(cap, w.keys * cap // w.rows)
+        total += w if w.rows <= cap else Work(cap, w.keys * cap // w.rows, w.heads * cap // w.rows)
     return total

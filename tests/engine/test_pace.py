@@ -35,7 +35,7 @@ def due_at(llm: LLM, t: float, per_row: float = 0.001) -> None:
     that, if every step after the next took what a decode step takes, the next may end by t and each still meet the
     TPOT the schedule aims at (pace.AIM of the objective) over its answer."""
     e = llm.engine
-    e.cost.coef = np.array([0.01, per_row, 0.0])
+    e.cost.coef = np.array([0.01, per_row, 0.0, 0.0])
     decode = e.cost.seconds(Work(len(e.scheduler.running), 0))
     for seq in [s for s in e.scheduler.running if s.output_ids]:  # a prompt under way has no first token yet
         left = seq.params.max_tokens - len(seq.output_ids)
@@ -189,10 +189,11 @@ def test_objectives_are_the_tenants_fair_turns_too(tiny_model):
 def test_the_step_cost_is_learned_from_the_steps_seen():
     cost = StepCost()
     rng = np.random.default_rng(0)
-    for _ in range(64):
-        work = Work(int(rng.integers(1, 200)), int(rng.integers(0, 10**6)))
-        cost.record(work, 0.004 + 0.002 * work.rows + 3e-8 * work.keys)
-    assert cost.coef == pytest.approx([0.004, 0.002, 3e-8], rel=0.05)
+    for i in range(64):
+        rows = int(rng.integers(1, 200))
+        work = Work(rows, int(rng.integers(0, 10**6)), int(rng.integers(0, rows)) if i % 2 else 0)  # prompt logprobs
+        cost.record(work, 0.004 + 0.002 * work.rows + 3e-8 * work.keys + 3e-4 * work.heads)
+    assert cost.coef == pytest.approx([0.004, 0.002, 3e-8, 3e-4], rel=0.05)
     assert cost.seconds(Work(10, 1000)) == pytest.approx(0.004 + 0.02 + 3e-5, rel=0.05)
 
 

@@ -11,7 +11,7 @@ from prefixcache.engine.slowdown import HELD, bounded
 from prefixcache.engine.step_cost import StepCost, Work
 from prefixcache.engine.usage import Usage
 
-COEF = (0.014, 0.002, 0.0)
+COEF = (0.014, 0.002, 0.0, 0.0)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -81,7 +81,7 @@ def test_equal_parts_one_tenant_alone_and_no_bound_keep_every_row():
 
 
 def test_an_equal_part_is_by_weight_and_a_tenant_keeps_a_row():
-    rows_cost = (0.001, 0.01, 0.0)  # rows cost nearly all of a step: the bound alone would leave b's row only
+    rows_cost = (0.001, 0.01, 0.0, 0.0)  # rows cost nearly all of a step: the bound alone would leave b's row only
     plan = decodes("a", 15) + decodes("b", 1)
     assert tenants(bound(plan, rows_cost)) == {"a": 1, "b": 1}
     assert tenants(bound(plan, rows_cost, {"a": 0.75})) == {"a": 3, "b": 1}  # b's weight is 0.25
@@ -100,11 +100,14 @@ def test_a_heavy_tenants_long_prompt_beside_another_tenants_stream_is_cut_to_the
     fifth would make 26 ms); the whole chunk would have made b's step 1,040 ms."""
     assert tenants(bound(decodes("b", 1) + [prompt("a", 512)], usage=HEAVY_A)) == {"a": 4, "b": 1}
     assert tenants(bound(decodes("b", 3) + [prompt("a", 512)], usage=HEAVY_A)) == {"a": 5, "b": 3}  # 30 ms in all
-    rows_cost = (0.001, 0.01, 0.0)  # b's 3 rows alone: 31 ms, so 46.5 ms in all: one token of a's fits
+    rows_cost = (0.001, 0.01, 0.0, 0.0)  # b's 3 rows alone: 31 ms, so 46.5 ms in all: one token of a's fits
     assert tenants(bound(decodes("b", 3) + [prompt("a", 512)], rows_cost, usage=HEAVY_A)) == {"a": 1, "b": 3}
+    logits = Sequence(list(range(100, 700)), SamplingParams(prompt_logprobs=0), CacheScope(tenant="a"))
+    heads_cost = (0.014, 0.002, 0.0, 0.002)  # a prompt token's logits cost as much as its row: 2 of a's tokens fit
+    assert tenants(bound(decodes("b", 1) + [(logits, 512)], heads_cost, usage=HEAVY_A)) == {"a": 2, "b": 1}
 
 
-KEYS_COST = (0.014, 0.002, 3e-6)  # a token at a context of 3,000 costs 11 ms, most of it for the keys it reads
+KEYS_COST = (0.014, 0.002, 3e-6, 0.0)  # a token at a context of 3,000 costs 11 ms, most of it for the keys it reads
 
 
 def steps(plan, slowdown: float, count: int) -> tuple[list[int], list[float]]:
@@ -207,7 +210,7 @@ def test_a_tenant_with_nothing_in_the_step_runs_inside_it_on_a_held_back_slot(ti
             b.append(engine.add_request(prefix + list(range(7000, 7008)), GREEDY, CacheScope(tenant="b")))
             lanes.append([s.id for s in engine.lane_step()])
 
-    engine.cost.coef = np.array((0.001, 0.01, 0.0))
+    engine.cost.coef = np.array((0.001, 0.01, 0.0, 0.0))
     preemptions = engine.scheduler.num_preemptions
     engine.step(between)
     assert lanes == [[b[0].id]] and b[0].output_ids and b[0].cache.num_cached == len(prefix)
