@@ -4,17 +4,39 @@ a group, lower priority, then least recently used, a node's local part before th
 become the next victim.
 """
 from collections import Counter
-from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Hashable
+from typing import Protocol
 
-from prefixcache.cache.node import Node
+from prefixcache.cache.node import Listener, Node
+from prefixcache.cache.pool import KVPool
 from prefixcache.cache.shares import Victims
 
-if TYPE_CHECKING:  # the cache calls this module
-    from prefixcache.cache.radix import PrefixCache
+
+class Evictable(Protocol):
+    """What eviction uses of the prefix cache (cache/radix.py), which calls it."""
+
+    nodes: dict[bytes, Node]
+    pool: KVPool
+    bs: int
+    listeners: list[Listener]
+    shares: dict[Hashable, float]
+    group: Callable[[Hashable], Hashable]
+    clock: Callable[[], float]
+
+    def owner(self, node: Node) -> Hashable: ...
+
+    def pages_by_owner(self) -> Counter: ...
+
+    def evictable(self, node: Node) -> bool: ...
+
+    def local_evictable(self, node: Node) -> bool: ...
+
+    def drop_local(self, node: Node) -> int: ...
+
+    def remove(self, node: Node, reason: str) -> int: ...
 
 
-def evict(cache: "PrefixCache", n_pages: int, using: Counter | None, asking: Hashable | None) -> int:
+def evict(cache: Evictable, n_pages: int, using: Counter | None, asking: Hashable | None) -> int:
     """PrefixCache.evict: free up to n_pages, in this module's order; for an owner `asking` for room, no other group
     at or under its share loses an unexpired entry (`using`: pages each owner holds outside the cache)."""
     now = cache.clock()
