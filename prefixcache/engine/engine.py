@@ -162,7 +162,7 @@ class Engine:
             self.step_tokens["prefill"] += prompt
             self.step_tokens["decode"] += n - prompt
         try:
-            logits, prompt_hidden = self.runner.run(plan, set(drafts), between)
+            logits, prompt_logits = self.runner.run(plan, set(drafts), between)
         except Exception as e:
             seqs = [seq for seq, _ in plan]
             for seq in seqs:
@@ -177,18 +177,18 @@ class Engine:
             if seq.status is Status.FINISHED:  # another sample of its request failed in this step
                 continue
             touched += self._isolated(seq, lambda: self._postprocess(seq, n - len(draft), logits.get(seq.id), draft,
-                                                                 prompt_hidden.get(seq.id)))
+                                                                 prompt_logits.get(seq.id)))
         if between is None or not self.laned:  # else a lane step ran inside it: its time is not this plan's alone
             self.cost.record(work, time.monotonic() - started)
         return touched
 
     def _postprocess(self, seq: Sequence, n: int, logits: torch.Tensor | None, draft: list[int],
-                 prompt_hidden: tuple[int, torch.Tensor] | None) -> list[Sequence]:
+                 prompt_logits: tuple[int, torch.Tensor] | None) -> list[Sequence]:
         """After the forward: account the sequence's n computed tokens, then give it (and the samples that start
         from its prompt) its next tokens. Returns the sequences touched."""
         self.prompt_tokens_computed += max(0, min(seq.num_computed + n, seq.num_prompt) - seq.num_computed)
-        if prompt_hidden:
-            self.runner.prompt_logprobs(seq, *prompt_hidden)
+        if prompt_logits:
+            self.runner.prompt_logprobs(seq, *prompt_logits)
         seq.num_computed += n
         self.blocks.publish(seq)
         if draft:

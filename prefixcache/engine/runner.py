@@ -31,8 +31,8 @@ class ModelRunner:
             dict[int, torch.Tensor], dict[int, tuple[int, torch.Tensor]]]:
         """Compute the planned tokens. Returns next-token logits [rows, vocab] for sequences that reached their last
         token (one row; a row per computed token for the sequences in `verify`, whose drafts they check), and for
-        sequences that want prompt logprobs, (first position, hidden states) of the computed positions that
-        predict a prompt token. `between` is called before each layer (Llama.forward)."""
+        sequences that want prompt logprobs, (first position, logits) of the computed positions that predict a
+        prompt token. `between` is called before each layer (Llama.forward)."""
         ids, pos, rows, owners, prompt_rows = [], [], [], [], {}
         parts = 1 + self.pool.local_pages  # a block table, slots and queries for each part of a block (KVPool.place)
         slots: list[list[np.ndarray]] = [[] for _ in range(parts)]
@@ -60,23 +60,26 @@ class ModelRunner:
         batch = Batch(torch.tensor(ids), torch.tensor(pos), [torch.from_numpy(np.concatenate(s)) for s in slots],
                       queries, [(self.adapters[a], torch.tensor(r)) for a, r in adapter_rows.items()])
         hidden = self.model.forward(batch, self.pool, between)
-        head = hidden[rows]
-        chunks = [self.model.logits(head[i:i + self.head_rows]) for i in range(0, len(rows), self.head_rows)]
-        logits = (chunks[0] if len(chunks) == 1 else torch.cat(chunks)) if rows else None  # one: not copied again
-        prompt = {sid: (p, hidden[a:b]) for sid, (p, a, b) in prompt_rows.items()}
+        # the prompt rows' logits in the same LM head calls as the next tokens': a call reads the whole head, so one
+        # of its own per sequence (3-4 ms on SmolLM2) cost more than the rows in it
+        spans = [range(a, b) for _, a, b in prompt_rows.values()]
+        head = hidden[rows + [r for span in spans for r in span]]
+        chunks = [self.model.logits(head[i:i + self.head_rows]) for i in range(0, len(head), self.head_rows)]
+        logits = (chunks[0] if len(chunks) == 1 else torch.cat(chunks)) if len(head) else None  # one: not copied
+        prompt, at = {}, len(rows)
+        for sid, (p, a, b) in prompt_rows.items():
+            prompt[sid], at = (p, logits[at:at + b - a]), at + b - a
         ends = [i for _, i in owners[1:]] + [len(rows)]
         return {sid: logits[i:end] for (sid, i), end in zip(owners, ends)}, prompt
 
-    def prompt_logprobs(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
-        """Logprobs of the prompt tokens after positions start.. (whose hidden states these are). The LM head runs on
-        at most head_rows rows per call: the row counts the exactness probe verified for it."""
-        for i in range(0, len(hidden), self.head_rows):
-            logits = self.model.logits(hidden[i:i + self.head_rows]).float()
-            p = start + i + 1
-            targets = seq.tokens[p:p + len(logits)]
-            assert len(targets) == len(logits), "a prompt logprob row past the prompt"
-            seq.prompt_logprobs[p:p + len(targets)] = ranked_logprobs(self.model.ops, logits, targets,
-                                                                      seq.params.prompt_logprobs)
+    def prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens after positions start.. (these positions' logits). The LM head ran on at
+        most head_rows rows per call: the row counts the exactness probe verified for it."""
+        p = start + 1
+        targets = seq.tokens[p:p + len(logits)]
+        assert len(targets) == len(logits), "a prompt logprob row past the prompt"
+        seq.prompt_logprobs[p:p + len(targets)] = ranked_logprobs(self.model.ops, logits.float(), targets,
+                                                                  seq.params.prompt_logprobs)
 
 
 def build_model(config: Config, weights: Weights, max_model_len: int) -> tuple[Llama, str]:
