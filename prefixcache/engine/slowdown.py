@@ -13,15 +13,16 @@ turns), until it holds; a tenant keeps at least one. A tenant alone in the engin
 
 Prompt chunks are held to the same bound, for each tenant with decode rows in the step (or with nothing in it that
 has just finished a request: its next one runs in a lane step inside this one, and gets its second token only after
-it), when they are of a tenant that has had more engine time lately than it (engine/usage.py): then they take at
-most `slowdown` times that tenant's rows and chunks alone, the largest chunk cut first, to nothing if none fits. A
-token at a long context reads the whole KV before it, so even one can take longer than the bound allows: a chunk held
-back then runs in the slack the steps it waited left (at most HELD of them), and after HELD steps runs anyway, at
-least as many tokens in all as that tenant has rows (by weight): the bound holds on average over the steps it waited.
-Another tenant's 3,000-token prompts (512 tokens a step) took a stream's inter-token p50 from 7 ms to 0.9 s; with a
-token of theirs in every step, to 17 ms; held back, to @P50@ (bench/results/abuse-issue57.md). A request of a
-tenant that has had less is not cut (its first token is not made to wait for others' streams), nor are a tenant's own
-chunks beside its own rows. Costs are the step cost's predictions (engine/step_cost.py).
+it), when they are of a tenant that has had more engine time lately than it (engine/usage.py). Chunks that would take
+the step past it are held back whole for HELD steps, then run in the slack those steps left (their own and HELD more
+times `slowdown - 1` that tenant's work alone), but never fewer tokens than that tenant has rows (by weight): the
+bound holds on average over the steps they waited, and the other tenant's tokens come at its own pace in the steps
+between. A few tokens a step would hold the bound in each step, but pay in each the chunk's fixed costs (its KV read
+to the end of its context, its part of the step's overhead) and give the lighter tenant a slower token every time:
+another tenant's 3,000-token prompts (512 tokens a step) took a stream's inter-token p50 from 7 ms to 0.9 s, with a
+few tokens of theirs in every step to 14.5 ms (1.69x), and held back to @P50@ (bench/results/abuse-issue57.md). A
+request of a tenant that has had less is not cut (its first token is not made to wait for others' streams), nor are a
+tenant's own chunks beside its own rows. Costs are the step cost's predictions (engine/step_cost.py).
 """
 import math
 from collections import Counter
@@ -65,11 +66,10 @@ def bounded(plan: Plan, cost: StepCost, shares: dict[str, float], slowdown: floa
 
 def _chunks(plan: Plan, cost: StepCost, weight: dict[str, float], slowdown: float, decoding: dict[str, int],
             usage: Usage) -> Plan:
-    """The plan with the prompt chunks cut that slow a tenant in `decoding` (by its decode rows) past the bound: of
-    tenants that have had more engine time lately, the heaviest (by weight) first, the largest chunk first, to what
-    fits, to nothing if none does; after a tenant's chunks were held back in `held` steps in a row, to what fits that
-    many steps' slack (at most HELD), and after HELD steps, to at least as many tokens in all as that tenant has rows
-    (by weight). The held steps are counted in `usage.held`."""
+    """The plan with the prompt chunks held back that slow a tenant in `decoding` (by its decode rows) past the
+    bound, of tenants that have had more engine time lately: the heaviest (by weight) first, each held whole for HELD
+    steps (counted in `usage.held`), then cut to what HELD + 1 steps' slack allows, the largest chunk first, but to
+    at least as many tokens in all as that tenant has rows (by weight)."""
     asked = {seq.id: n for seq, n in plan}
     sizes = dict(asked)
     prompts = [seq for seq, _ in plan if seq.num_uncomputed > 1]
@@ -89,13 +89,16 @@ def _chunks(plan: Plan, cost: StepCost, weight: dict[str, float], slowdown: floa
         for u in sorted(heavier, key=lambda u: tokens(u) / weight[u], reverse=True):
             if cost.seconds(work()) <= bound:
                 break
-            held = min(usage.held.get(u, 0), HELD)
-            limit = bound + held * max(0.0, bound - cost.seconds(work(without=u)))
             own = sorted((seq for seq in prompts if seq.scope.tenant == u), key=lambda s: sizes[s.id], reverse=True)
+            if usage.held.get(u, 0) < HELD:
+                for seq in own:
+                    sizes[seq.id] = 0
+                continue
+            limit = bound + HELD * max(0.0, bound - cost.seconds(work(without=u)))
             for seq in own:
                 n, sizes[seq.id] = sizes[seq.id], 0
                 sizes[seq.id] = cost.most(work(), seq.work, n, 0, limit)
-            floor = max(1, round(decoding[t] * weight[u] / weight[t])) if held == HELD else 0
+            floor = max(1, round(decoding[t] * weight[u] / weight[t]))
             for seq in own[::-1]:  # the smallest first: a chunk's cost grows with its prompt's context too
                 sizes[seq.id] += min(asked[seq.id] - sizes[seq.id], max(0, floor - tokens(u)))
     for u in chunks:

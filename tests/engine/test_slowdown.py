@@ -31,12 +31,14 @@ def decodes(tenant: str, k: int) -> list[tuple[Sequence, int]]:
     return plan
 
 
-def bound(plan, coef=COEF, shares=None, slowdown=1.5, others=(), usage=None, finished=()) -> list:
+def bound(plan, coef=COEF, shares=None, slowdown=1.5, others=(), usage=None, finished=(), held=()) -> list:
     """bounded() for the plan's tenants and `others` with work but no row in it; `usage`: their engine time lately
-    (none by default), `finished`: those of them that have just finished a request."""
+    (none by default), `finished`: those of them that have just finished a request, `held`: those whose prompt
+    chunks were held back HELD steps already."""
     lately = Usage()
     lately.tokens = usage or {}
     lately.finished = dict.fromkeys(finished, 0.0)
+    lately.held = dict.fromkeys(held, HELD)
     return bounded(plan, cost(coef), shares or {}, slowdown, set(tenants(plan)) | set(others), lately)
 
 
@@ -95,16 +97,24 @@ def prompt(tenant: str, n: int) -> tuple[Sequence, int]:
 HEAVY_A = {"a": 5000.0, "b": 30.0}  # a has had far more engine time lately than b
 
 
-def test_a_heavy_tenants_long_prompt_beside_another_tenants_stream_is_cut_to_the_bound():
-    """a's 512-token chunk beside b's one stream: 16 ms for b alone, so 24 ms in all, which is 4 of a's tokens (a
-    fifth would make 26 ms); the whole chunk would have made b's step 1,040 ms."""
-    assert tenants(bound(decodes("b", 1) + [prompt("a", 512)], usage=HEAVY_A)) == {"a": 4, "b": 1}
-    assert tenants(bound(decodes("b", 3) + [prompt("a", 512)], usage=HEAVY_A)) == {"a": 5, "b": 3}  # 30 ms in all
-    rows_cost = (0.001, 0.01, 0.0, 0.0)  # b's 3 rows alone: 31 ms, so 46.5 ms in all: one token of a's fits
-    assert tenants(bound(decodes("b", 3) + [prompt("a", 512)], rows_cost, usage=HEAVY_A)) == {"a": 1, "b": 3}
+def test_a_heavy_tenants_long_prompt_beside_another_tenants_stream_waits_then_runs_in_the_slack_it_left():
+    """a's 512-token chunk beside b's one stream: 16 ms for b alone, so 24 ms in all (4 of a's tokens); the whole
+    chunk would have made b's step 1,040 ms. It is held back HELD steps, then takes what those steps left, 8 ms each,
+    and its own: 56 ms in all, 20 tokens."""
+    plan = decodes("b", 1) + [prompt("a", 512)]
+    assert tenants(bound(plan, usage=HEAVY_A)) == {"b": 1}
+    assert tenants(bound(plan, usage=HEAVY_A, held={"a"})) == {"a": 20, "b": 1}
+    two = decodes("b", 2) + [prompt("a", 512)]  # b alone 18 ms, so 27 in all and 9 left a step: 63 ms, 22 tokens
+    assert tenants(bound(two, usage=HEAVY_A, held={"a"})) == {"a": 22, "b": 2}
+    three = decodes("b", 3) + [prompt("a", 512)]
+    rows_cost = (0.001, 0.01, 0.0, 0.0)  # b's 3 rows alone: 31 ms, so 46.5 ms and 15.5 left: 108.5 ms, 7 tokens
+    assert tenants(bound(three, rows_cost, usage=HEAVY_A, held={"a"})) == {"a": 7, "b": 3}
     logits = Sequence(list(range(100, 700)), SamplingParams(prompt_logprobs=0), CacheScope(tenant="a"))
-    heads_cost = (0.014, 0.002, 0.0, 0.002)  # a prompt token's logits cost as much as its row: 2 of a's tokens fit
-    assert tenants(bound(decodes("b", 1) + [(logits, 512)], heads_cost, usage=HEAVY_A)) == {"a": 2, "b": 1}
+    heads_cost = (0.014, 0.002, 0.0, 0.0025)  # a prompt token's logits cost more than its row: 56 ms, 8 tokens
+    assert tenants(bound(decodes("b", 1) + [(logits, 512)], heads_cost, usage=HEAVY_A, held={"a"})) == \
+        {"a": 8, "b": 1}
+    small = decodes("b", 1) + [prompt("a", 4)]  # a chunk within the bound is not held back
+    assert tenants(bound(small, usage=HEAVY_A)) == {"a": 4, "b": 1}
 
 
 KEYS_COST = (0.014, 0.002, 3e-6, 0.0)  # a token at a context of 3,000 costs 11 ms, most of it for the keys it reads
@@ -130,10 +140,10 @@ def long_prompt(tenant: str) -> tuple[Sequence, int]:
 
 def test_a_heavy_tenants_chunk_that_fits_no_step_waits_and_runs_in_the_slack_of_the_steps_it_waited():
     """b alone: 16 ms, so a step may take 24 ms; one token of a's at a context of 3,000 would make it 27 ms. a's
-    chunk is held back, then runs in the slack of the step it waited (8 ms) and its own: every other step, and b's
-    steps take 24 ms or less on average, where a token of a's in each would have made it 27."""
-    ran, seconds = steps(decodes("b", 1) + [long_prompt("a")], 1.5, 10)
-    assert ran == [0, 1] * 5
+    chunk is held back HELD steps, then runs in their slack and its own (40 ms: 3 tokens), and b's steps take 24 ms
+    or less on average, where a token of a's in each would have made them 27."""
+    ran, seconds = steps(decodes("b", 1) + [long_prompt("a")], 1.5, 2 * (HELD + 1))
+    assert ran == ([0] * HELD + [3]) * 2
     assert sum(seconds) / len(seconds) <= 1.5 * cost(KEYS_COST).seconds(Work.chunk(20, 1))
 
 
@@ -146,10 +156,12 @@ def test_a_heavy_tenants_chunks_held_back_run_their_equal_part_in_all_after_held
 
 def test_a_heavy_tenants_prompt_is_cut_while_another_is_between_two_requests():
     """b has just finished a request and has nothing in the step: its next runs in a lane step inside it, and gets
-    its second token only after it. The bound is 21 ms (b's nothing: 14 ms), so a keeps one token, b's one row's
-    worth; a tenant that is only waiting cuts no chunk (its request could not be admitted into a step so cut)."""
+    its second token only after it. The bound is 21 ms (b's nothing: 14 ms), so a's chunk is held back, then takes
+    49 ms, 17 tokens; a tenant that is only waiting cuts no chunk (its request could not be admitted into a step so
+    cut)."""
     plan = [prompt("a", 512)]
-    assert tenants(bound(plan, others={"b"}, usage=HEAVY_A, finished={"b"})) == {"a": 3}
+    assert tenants(bound(plan, others={"b"}, usage=HEAVY_A, finished={"b"})) == {}
+    assert tenants(bound(plan, others={"b"}, usage=HEAVY_A, finished={"b"}, held={"a"})) == {"a": 17}
     assert bound(plan, others={"b"}, usage=HEAVY_A) == plan
 
 
