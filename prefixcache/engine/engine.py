@@ -103,6 +103,7 @@ class Engine:
         self.ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
         self.lane_open = False  # a step is under way that lane steps may still run inside
         self.laned = False  # a lane step ran inside the step under way
+        self.left_waiting = False  # the step under way left requests waiting, and no lane step has tried them yet
         del weights  # the file's tensors as read, laid out for the kernels since
         give_back_freed_heap()
         self.grammars.info.add_done_callback(give_back_freed_heap)
@@ -137,7 +138,7 @@ class Engine:
             self.blocks.wait_for_lookups(self.scheduler.waiting)
             wait([s.grammar for s in self.scheduler.waiting if s.grammar], 0.002, FIRST_COMPLETED)
             return failed
-        self.lane_open, self.laned = True, False
+        self.lane_open, self.laned, self.left_waiting = True, False, bool(self.scheduler.waiting)
         return failed + self._run(plan, between)
 
     def lane_step(self) -> list[Sequence]:
@@ -146,6 +147,7 @@ class Engine:
         runs inside a step: a stream of short requests takes at most about half of the time of the steps it
         interrupts (a forward's cost is mostly per step, not per token, on a CPU); with them, as many as
         Scheduler.lane lets through (within the slack the step leaves its decodes, or the step's own length)."""
+        self.left_waiting = False
         plan = self.scheduler.lane(time.monotonic()) if self.lane_open else []
         if not plan:
             return []

@@ -109,6 +109,31 @@ def test_short_requests_run_inside_the_step_under_way(tiny_model):
     assert out == [(o.token_ids, o.cumulative_logprob) for o in expected]
 
 
+def test_a_short_request_a_running_prompts_chunk_left_waiting_runs_in_a_lane_before_the_steps_first_layer(tiny_model):
+    """a's 300-token prompt runs in chunks of the whole step budget (64 tokens), so b's request (a cached prefix and
+    8 new tokens), which came before the step, is not in it: the worker lets the engine try what a step left waiting
+    before its first layer, as it does what arrives during it, and b gets its first token now, not after a's prompt
+    (it waited for every one of a's chunks)."""
+    prefix = list(range(5000, 5064))
+    llm = LLM(model=tiny_model, max_batch_tokens=64)
+    _finish(llm, [llm.engine.add_request(prefix + [1], PARAMS, CacheScope(tenant="b"))])  # b caches its prefix
+    a = llm.engine.add_request(A[0], PARAMS, CacheScope(tenant="a"))
+    llm.engine.step()
+    b = llm.engine.add_request(prefix + B[:8], PARAMS, CacheScope(tenant="b"))
+    lanes = []
+
+    def between() -> None:  # what the server's worker does before each layer, with nothing arriving
+        if llm.engine.left_waiting:
+            lanes.append([s.id for s in llm.engine.lane_step()])
+
+    llm.engine.step(between)
+    assert lanes == [[b.id]] and b.output_ids and a.num_computed == 128
+    out = _finish(llm, [a, b])
+    cold = LLM(model=tiny_model, enable_prefix_cache=False)
+    expected = [cold.generate([p], PARAMS)[0] for p in (A[0], prefix + B[:8])]
+    assert out == [(o.token_ids, o.cumulative_logprob) for o in expected]
+
+
 def test_no_lane_without_shared_chunk(tiny_model):
     llm = LLM(model=tiny_model)
     llm.engine.add_request(A[0], PARAMS, CacheScope(tenant="a"))
