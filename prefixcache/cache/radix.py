@@ -69,14 +69,15 @@ class PrefixCache:
                     n = _common(child.tokens, rest)
                     if n > result.partial_len:
                         result.partial, result.partial_len = child, n
-        while len(result) > limit:  # the last prompt token is always computed, for its logits
-            if result.partial_len:
-                result.partial_len = max(0, limit - len(result.nodes) * bs)
-                if result.partial_len == 0:
-                    result.partial = None
+        if len(result) > limit:  # the last prompt token is always computed, for its logits: cut to `limit` tokens
+            whole = limit // bs
+            if whole < len(result.nodes):  # the rest of the limit from the first block past it
+                result.partial, result.partial_len = result.nodes[whole], limit - whole * bs
+                del result.nodes[whole:]
             else:
-                result.partial = result.nodes.pop()
-                result.partial_len = bs
+                result.partial_len = limit - len(result.nodes) * bs
+            if result.partial_len == 0:
+                result.partial = None
         while not self.restores(result):  # cut back to a hit whose local layers' window is here
             if result.partial:
                 result.partial, result.partial_len = None, 0
