@@ -164,7 +164,7 @@ class Engine:
             self.step_tokens["prefill"] += prompt
             self.step_tokens["decode"] += n - prompt
         try:
-            logits, prompt_logits = self.runner.run(plan, set(drafts), between)
+            logits = self.runner.run(plan, set(drafts), between)
         except Exception as e:
             seqs = [seq for seq, _ in plan]
             for seq in seqs:
@@ -178,19 +178,15 @@ class Engine:
                 del seq.tokens[-len(draft):]
             if seq.status is Status.FINISHED:  # another sample of its request failed in this step
                 continue
-            touched += self._isolated(seq, lambda: self._postprocess(seq, n - len(draft), logits.get(seq.id), draft,
-                                                                 prompt_logits.get(seq.id)))
+            touched += self._isolated(seq, lambda: self._postprocess(seq, n - len(draft), logits.get(seq.id), draft))
         if between is None or not self.laned:  # else a lane step ran inside it: its time is not this plan's alone
             self.cost.record(work, time.monotonic() - started)
         return touched
 
-    def _postprocess(self, seq: Sequence, n: int, logits: torch.Tensor | None, draft: list[int],
-                 prompt_logits: tuple[int, torch.Tensor] | None) -> list[Sequence]:
+    def _postprocess(self, seq: Sequence, n: int, logits: torch.Tensor | None, draft: list[int]) -> list[Sequence]:
         """After the forward: account the sequence's n computed tokens, then give it (and the samples that start
         from its prompt) its next tokens. Returns the sequences touched."""
         self.prompt_tokens_computed += max(0, min(seq.num_computed + n, seq.num_prompt) - seq.num_computed)
-        if prompt_logits:
-            self.runner.prompt_logprobs(seq, *prompt_logits)
         seq.num_computed += n
         self.blocks.publish(seq)
         if draft:

@@ -27,13 +27,12 @@ class ModelRunner:
         self.adapters = adapters  # LoRA adapters by fingerprint: a sequence's is its scope's `adapter`
 
     def run(self, plan: list[tuple[Sequence, int]], verify: set[int] = frozenset(),
-            between: Callable[[], None] | None = None) -> tuple[
-            dict[int, torch.Tensor], dict[int, tuple[int, torch.Tensor]]]:
+            between: Callable[[], None] | None = None) -> dict[int, torch.Tensor]:
         """Compute the planned tokens. Returns next-token logits [rows, vocab] for sequences that reached their last
-        token (one row; a row per computed token for the sequences in `verify`, whose drafts they check), and for
-        sequences that want prompt logprobs, (first position, logits) of the computed positions that predict a
-        prompt token. `between` is called before each layer (Llama.forward)."""
-        ids, pos, rows, owners, prompt_rows = [], [], [], [], {}
+        token (one row; a row per computed token for the sequences in `verify`, whose drafts they check); the
+        sequences that want prompt logprobs get those of the prompt tokens their computed positions predict.
+        `between` is called before each layer (Llama.forward)."""
+        ids, pos, rows, owners, spans = [], [], [], [], []
         parts = 1 + self.pool.local_pages  # a block table, slots and queries for each part of a block (KVPool.place)
         slots: list[list[np.ndarray]] = [[] for _ in range(parts)]
         queries: list[list[Queries]] = [[] for _ in range(parts)]
@@ -56,30 +55,39 @@ class ModelRunner:
                 rows += range(first if seq.id in verify else len(ids) - 1, len(ids))
             n_prompt = min(start + m, seq.num_prompt - 1) - start
             if seq.prompt_logprobs is not None and n_prompt > 0:
-                prompt_rows[seq.id] = (start, first, first + n_prompt)
+                spans.append((seq, start, range(first, first + n_prompt)))
         batch = Batch(torch.tensor(ids), torch.tensor(pos), [torch.from_numpy(np.concatenate(s)) for s in slots],
                       queries, [(self.adapters[a], torch.tensor(r)) for a, r in adapter_rows.items()])
         hidden = self.model.forward(batch, self.pool, between)
-        # the prompt rows' logits in the same LM head calls as the next tokens': a call reads the whole head, so one
-        # of its own per sequence (3-4 ms on SmolLM2) cost more than the rows in it
-        spans = [range(a, b) for _, a, b in prompt_rows.values()]
-        head = hidden[rows + [r for span in spans for r in span]]
-        chunks = [self.model.logits(head[i:i + self.head_rows]) for i in range(0, len(head), self.head_rows)]
-        logits = (chunks[0] if len(chunks) == 1 else torch.cat(chunks)) if len(head) else None  # one: not copied
-        prompt, at = {}, len(rows)
-        for sid, (p, a, b) in prompt_rows.items():
-            prompt[sid], at = (p, logits[at:at + b - a]), at + b - a
+        logits = self._logits(hidden, rows, spans)
         ends = [i for _, i in owners[1:]] + [len(rows)]
-        return {sid: logits[i:end] for (sid, i), end in zip(owners, ends)}, prompt
+        return {sid: logits[i:end] for (sid, i), end in zip(owners, ends)}
 
-    def prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
-        """Logprobs of the prompt tokens after positions start.. (these positions' logits). The LM head ran on at
-        most head_rows rows per call: the row counts the exactness probe verified for it."""
-        p = start + 1
-        targets = seq.tokens[p:p + len(logits)]
-        assert len(targets) == len(logits), "a prompt logprob row past the prompt"
-        seq.prompt_logprobs[p:p + len(targets)] = ranked_logprobs(self.model.ops, logits.float(), targets,
-                                                                  seq.params.prompt_logprobs)
+    def _logits(self, hidden: torch.Tensor, rows: list[int], spans: list[tuple[Sequence, int, range]]) -> \
+            torch.Tensor | None:
+        """The next-token logits of `rows`, and each span's prompt logprobs (a sequence's rows after position
+        `start`), in the same LM head calls of at most head_rows rows (the counts the exactness probe verified): a
+        call reads the whole head, so calls of the prompt rows' own cost 3-4 ms each on SmolLM2, more than the rows in
+        them. A call's prompt rows are made logprobs at once, so a chunk's logits are never held whole (Gemma 3's,
+        for 512 tokens: 0.5 GB)."""
+        order, at, places = list(rows), len(rows), []
+        for seq, start, span in spans:
+            places.append((seq, start, at, at + len(span)))
+            order += span
+            at += len(span)
+        nexts = []
+        for i in range(0, len(order), self.head_rows):
+            piece = self.model.logits(hidden[order[i:i + self.head_rows]])
+            if i < len(rows):
+                nexts.append(piece[:len(rows) - i])
+            for seq, start, lo, hi in places:
+                a, b = max(lo, i), min(hi, i + len(piece))
+                if a < b:
+                    p = start + a - lo + 1  # the first prompt position these rows predict
+                    seq.prompt_logprobs[p:p + b - a] = ranked_logprobs(self.model.ops, piece[a - i:b - i].float(),
+                                                                       seq.tokens[p:p + b - a],
+                                                                       seq.params.prompt_logprobs)
+        return (nexts[0] if len(nexts) == 1 else torch.cat(nexts)) if nexts else None  # one: not copied again
 
 
 def build_model(config: Config, weights: Weights, max_model_len: int) -> tuple[Llama, str]:

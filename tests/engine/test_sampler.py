@@ -140,6 +140,15 @@ def test_prompt_logprobs_recompute_cached_positions_with_the_samplers_logits(llm
     assert [e.rank for e in warm.prompt_logprobs[-6:]] == [1] * 6
 
 
+def test_prompt_logprobs_are_the_same_in_chunks_beside_others_as_alone(tiny_model, cold):
+    """Two prompts' logprobs computed in chunks of 40 tokens, in the LM head calls of 16 rows the steps share with
+    their next-token rows, equal each prompt's computed alone in one step."""
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    prompts = [list(range(300, 390)), list(range(500, 561))]
+    together = LLM(tiny_model, enable_prefix_cache=False, max_batch_tokens=40).generate(prompts, params)
+    assert [o.prompt_logprobs for o in together] == [cold.generate([p], params)[0].prompt_logprobs for p in prompts]
+
+
 @pytest.mark.parametrize("cache", [True, False])
 def test_n_samples_share_one_prefill_and_seed_plus_i(llm, cold, cache):
     engine = llm if cache else cold
