@@ -103,7 +103,6 @@ class Engine:
         self.ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
         self.lane_open = False  # a step is under way that lane steps may still run inside
         self.laned = False  # a lane step ran inside the step under way
-        self.left_waiting = False  # the step under way left requests waiting, and no lane step has tried them yet
         del weights  # the file's tensors as read, laid out for the kernels since
         give_back_freed_heap()
         self.grammars.info.add_done_callback(give_back_freed_heap)
@@ -138,20 +137,20 @@ class Engine:
             self.blocks.wait_for_lookups(self.scheduler.waiting)
             wait([s.grammar for s in self.scheduler.waiting if s.grammar], 0.002, FIRST_COMPLETED)
             return failed
-        self.lane_open, self.laned, self.left_waiting = True, False, bool(self.scheduler.waiting)
+        self.lane_open, self.laned = True, False
         return failed + self._run(plan, between)
 
     def lane_step(self) -> list[Sequence]:
         """Inside a step, before one of its layers: run the waiting requests that Scheduler.lane() lets through in a
-        step of their own, so they need not wait for the step under way. Without objectives, at most one lane step
-        runs inside a step: a stream of short requests takes at most about half of the time of the steps it
-        interrupts (a forward's cost is mostly per step, not per token, on a CPU); with them, as many as
-        Scheduler.lane lets through (within the slack the step leaves its decodes, or the step's own length)."""
-        self.left_waiting = False
-        plan = self.scheduler.lane(time.monotonic()) if self.lane_open else []
+        step of their own, so they need not wait for the step under way, and the next tokens of those it ran before,
+        as they come due. Without objectives, at most one lane step admits requests inside a step: a stream of short
+        requests takes at most about half of the time of the steps it interrupts (a forward's cost is mostly per step,
+        not per token, on a CPU); with them, as many as Scheduler.lane lets through (within the slack the step leaves
+        its decodes, or the step's own length)."""
+        plan = self.scheduler.lane(time.monotonic(), self.lane_open)
         if not plan:
             return []
-        self.lane_open, self.laned = self.scheduler.pace is not None, True
+        self.lane_open, self.laned = self.lane_open and self.scheduler.pace is not None, True
         return self._run(plan, None)
 
     def _run(self, plan: list[tuple[Sequence, int]], between: Callable[[], None] | None) -> list[Sequence]:

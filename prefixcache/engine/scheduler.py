@@ -23,15 +23,15 @@ request that went past the slack made the answers under way miss their TPOT.
 import math
 from collections import deque
 
-from prefixcache.cache.shares import guarantees
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.memory_shares import admit, grow, running_pages
 from prefixcache.engine.pace import Pace, to_first_token
 from prefixcache.engine.prefill_shares import PrefillShares
 from prefixcache.engine.sequence import Sequence, Status
-from prefixcache.engine.slot_shares import claim, held, rebalance
+from prefixcache.engine.slot_shares import claim, rebalance
 from prefixcache.engine.slowdown import bounded
 from prefixcache.engine.step_cost import StepCost, Work
+from prefixcache.engine.turns import turns
 from prefixcache.engine.usage import Usage
 
 
@@ -44,6 +44,8 @@ class Scheduler:
         self.slowdown = slowdown  # the most a step may take over a tenant's own part (engine/slowdown.py)
         self.steps = 0  # steps scheduled
         self.stepping: set[int] = set()  # the sequences of the step under way (or the last one)
+        self.laned: dict[int, tuple[Sequence, float]] = {}  # those a lane step ran inside it, and when
+        self.left_waiting = False  # the step under way left requests waiting, and no lane step has tried them yet
         self.pace = pace  # None: no objectives, steps are sized by max_batch_tokens alone
         self.shared_chunk = shared_chunk  # 0: off
         self.usage = Usage()  # each tenant's engine use lately (the engine charges each step)
@@ -146,15 +148,32 @@ class Scheduler:
         self.steps += 1
         for seq, _ in plan:
             seq.ran_at = self.steps
-        self.stepping = {seq.id for seq, _ in plan}
+        self.stepping, self.laned, self.left_waiting = {seq.id for seq, _ in plan}, {}, bool(self.waiting)
         cost = self.cost.seconds(step)  # lane steps delay the step's first tokens too
         self.lane_slack = min(slack - cost if slack < math.inf else cost, first - cost)
         self.step_end = now + cost
         return sorted(plan, key=lambda p: p[1] != 1)  # decode rows first, so they batch into one group
 
-    def lane(self, now: float) -> list[tuple[Sequence, int]]:
-        """Inside a step under way (Engine.lane_step): waiting requests that need few tokens to reach their next one
-        (short prompts past their cached prefix), admitted now, with those tokens. Without objectives: at most
+    def lane(self, now: float, admit: bool) -> list[tuple[Sequence, int]]:
+        """Inside a step under way (Engine.lane_step): the next token of each sequence a lane step ran inside it, once
+        `slowdown` times its row's cost has passed since (its tenant has nothing in the step: its answer goes on at
+        the pace the bound gives it, not at the step's), and if `admit`, _admit's."""
+        plan, self.left_waiting = self._admit(now) if admit else [], False
+        ids = {seq.id for seq, _ in plan}
+        plan += [(seq, 1) for seq, at in self.laned.values() if seq.id not in ids and seq.status is Status.RUNNING and
+                 seq.num_uncomputed == 1 and now - at >= self.slowdown * self.cost.seconds(Work(1, len(seq.tokens)))]
+        self.laned.update((seq.id, (seq, now)) for seq, _ in plan)
+        return plan
+
+    @property
+    def lane_due(self) -> bool:
+        """Whether a lane step may have work though nothing arrived: requests the step under way left waiting, or the
+        next tokens of sequences a lane step ran inside it."""
+        return self.left_waiting or bool(self.laned)
+
+    def _admit(self, now: float) -> list[tuple[Sequence, int]]:
+        """Inside a step under way: waiting requests that need few tokens to reach their next one (short prompts past
+        their cached prefix), admitted now, with those tokens. Without objectives: at most
         `shared_chunk` tokens in all, of any tenant; without it, a block's worth, and only of tenants with no
         sequence in the step (the step keeps them waiting). With objectives (a Pace): of any tenant, each one that
         can still meet its first token's deadline and whose step fits in what the step under way leaves of its
@@ -258,34 +277,11 @@ class Scheduler:
         return [(seq, n) for seq, n in plan if n == seq.num_uncomputed] if self.last_was_lane else plan
 
     def _admission_order(self, now: float) -> list[tuple[Sequence, object, bool]]:
-        """(request, its cache match, whether it is due): a request passed over `fairness_steps` times is due, and goes
-        first, unless its tenant holds its part of the slots while another tenant waits below its own (then its
-        requests are passed over by design, and waiting earns them nothing); then weighted round-robin
-        over tenants (a request's turn: its tenant's running slots plus the tenant's requests waiting ahead of it,
-        over the tenant's part of the slots), so one tenant's flood of requests cannot starve another's; then the
-        longest cached prefix, then arrival. With a TTFT objective, a tenant's requests that can no longer meet it
-        queue behind its others, and are not due while one of its others can still meet it: past capacity the late
-        ones, due in turn, went first, and made every request after them late too (multi-tenant at 6.5 req/s, past
-        capacity: 0.16-0.24 met both objectives, 0.54-0.66 with this). A request whose lookup in the KV
-        tiers below memory, or whose grammar, is not ready waits for it, without taking a turn."""
+        """The ready requests in the order they are admitted (engine/turns.py), with their cache matches; a request
+        whose lookup in the KV tiers below memory, or whose grammar, is not ready waits for it, without a turn."""
         ready = [(seq, self.blocks.match(seq)) for seq in self._ready()]
         late = {seq.id for seq, m in ready if self.pace and self.pace.hopeless(seq, to_first_token(seq, len(m)), now)}
-        ready.sort(key=lambda p: p[0].id in late)  # stable: arrival
-        fresh = {seq.scope.tenant for seq, _ in ready if seq.id not in late}
-        turn = held(self.running)
-        for seq, _ in ready:
-            turn[seq.scope.tenant] += 0
-        fair = guarantees(turn, self.shares, self.max_num_seqs)
-        order = []
-        for seq, m in ready:
-            part = max(fair[seq.scope.tenant], 1e-9)  # a tenant without a share when the shares take all: last
-            order.append((seq, m, turn[seq.scope.tenant] / part))
-            turn[seq.scope.tenant] += 1 + len(seq.forks)
-        under = {seq.scope.tenant for seq, _, t in order if t < 1}
-        order = [(seq, m, t, seq.skipped >= self.fairness_steps and (t < 1 or not under - {seq.scope.tenant})
-                  and not (seq.id in late and seq.scope.tenant in fresh)) for seq, m, t in order]
-        order.sort(key=lambda p: (not p[3], p[2], -len(p[1]), p[0].arrival))
-        return [(seq, m, due) for seq, m, _, due in order]
+        return turns(ready, late, self.running, self.shares, self.max_num_seqs, self.fairness_steps)
 
     def _waits_for_inflight(self, seq: Sequence, m) -> bool:
         """True if a running prefill is computing the next block of this request's prefix: wait, then hit."""

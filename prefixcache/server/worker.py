@@ -161,9 +161,10 @@ class EngineWorker:
     def _between_layers(self) -> None:
         """Called by the engine before each layer of a step: add the requests that arrived meanwhile, and let
         the engine run those it can in a lane step now, and those the step left waiting (a running prompt's chunk
-        can take its whole token budget: a short request that came just before it waited for it, and the next).
+        can take its whole token budget: a short request that came just before it waited for it, and the next), and
+        the next tokens of those it ran so (else they wait for the step's end: 1.3 s beside a 512-token chunk).
         A failed lane step fails its own requests only."""
-        if self.arrivals.empty() and not self.engine.left_waiting:
+        if self.arrivals.empty() and not self.engine.scheduler.lane_due:
             return
         self._add_arrivals()
         try:

@@ -5,6 +5,8 @@ most); and a short request that arrives during a step runs inside it, before one
 Outputs are those of a run without any of this."""
 import time
 
+import numpy as np
+
 from prefixcache import LLM, CacheScope, SamplingParams
 from prefixcache.engine.engine import StepFailed
 from prefixcache.engine.sequence import Sequence, Status
@@ -85,7 +87,7 @@ def test_short_requests_run_inside_the_step_under_way(tiny_model):
     prefix = list(range(5000, 5064))
     prompts = {"b": prefix + B[:8], "c": prefix + B[8:16], "e": prefix + list(range(7000, 7008)),
                "d": prefix + list(range(6000, 6100))}
-    llm = LLM(model=tiny_model, shared_chunk=32)
+    llm = LLM(model=tiny_model, shared_chunk=32, tenant_slowdown=0)  # b's and c's next tokens wait for the step
     _finish(llm, [llm.engine.add_request(prefix + [1], PARAMS, CacheScope(tenant="b"))])  # b caches its prefix
     a = llm.engine.add_request(A[0], PARAMS, CacheScope(tenant="a"))
     arrivals, seqs, lanes = [["b", "c"], ["e"], ["d"]], {}, []
@@ -115,7 +117,7 @@ def test_a_short_request_a_running_prompts_chunk_left_waiting_runs_in_a_lane_bef
     before its first layer, as it does what arrives during it, and b gets its first token now, not after a's prompt
     (it waited for every one of a's chunks)."""
     prefix = list(range(5000, 5064))
-    llm = LLM(model=tiny_model, max_batch_tokens=64)
+    llm = LLM(model=tiny_model, max_batch_tokens=64, tenant_slowdown=0)  # b's next tokens wait for the step
     _finish(llm, [llm.engine.add_request(prefix + [1], PARAMS, CacheScope(tenant="b"))])  # b caches its prefix
     a = llm.engine.add_request(A[0], PARAMS, CacheScope(tenant="a"))
     llm.engine.step()
@@ -123,11 +125,36 @@ def test_a_short_request_a_running_prompts_chunk_left_waiting_runs_in_a_lane_bef
     lanes = []
 
     def between() -> None:  # what the server's worker does before each layer, with nothing arriving
-        if llm.engine.left_waiting:
+        if llm.engine.scheduler.lane_due:
             lanes.append([s.id for s in llm.engine.lane_step()])
 
     llm.engine.step(between)
-    assert lanes == [[b.id]] and b.output_ids and a.num_computed == 128
+    assert lanes == [[b.id], []] and b.output_ids and a.num_computed == 128  # its next token waits for the step
+    out = _finish(llm, [a, b])
+    cold = LLM(model=tiny_model, enable_prefix_cache=False)
+    expected = [cold.generate([p], PARAMS)[0] for p in (A[0], prefix + B[:8])]
+    assert out == [(o.token_ids, o.cumulative_logprob) for o in expected]
+
+
+def test_a_request_run_in_a_lane_gets_its_next_tokens_in_lanes_as_they_come_due(tiny_model):
+    """b's request runs in a lane step before the first layer of a's step (it came just before it); its next token
+    comes due at once (every step costs nothing, by hand), so a lane step before the second layer gives it, not the
+    step's end (a's 512-token steps kept b's second token 1.3 s). Its tokens are those it gets alone."""
+    prefix = list(range(5000, 5064))
+    llm = LLM(model=tiny_model, max_batch_tokens=64)
+    _finish(llm, [llm.engine.add_request(prefix + [1], PARAMS, CacheScope(tenant="b"))])  # b caches its prefix
+    a = llm.engine.add_request(A[0], PARAMS, CacheScope(tenant="a"))
+    llm.engine.step()
+    b = llm.engine.add_request(prefix + B[:8], PARAMS, CacheScope(tenant="b"))
+    llm.engine.cost.coef = np.zeros(4)
+    lanes = []
+
+    def between() -> None:
+        if llm.engine.scheduler.lane_due:
+            lanes.append([(s.id, len(s.output_ids)) for s in llm.engine.lane_step()])
+
+    llm.engine.step(between)  # the tiny model has two layers
+    assert lanes == [[(b.id, 1)], [(b.id, 2)]] and a.num_computed == 128
     out = _finish(llm, [a, b])
     cold = LLM(model=tiny_model, enable_prefix_cache=False)
     expected = [cold.generate([p], PARAMS)[0] for p in (A[0], prefix + B[:8])]
