@@ -161,7 +161,8 @@ class Scheduler:
         plan, self.left_waiting = self._admit(now) if admit else [], False
         ids = {seq.id for seq, _ in plan}
         plan += [(seq, 1) for seq, at in self.laned.values() if seq.id not in ids and seq.status is Status.RUNNING and
-                 seq.num_uncomputed == 1 and now - at >= self.slowdown * self.cost.seconds(Work(1, len(seq.tokens)))]
+                 seq.num_uncomputed == 1 and now - at >= self.slowdown * self.cost.seconds(Work(1, len(seq.tokens)))
+                 and self.blocks.grow(seq, 1)]  # room without preempting: else it waits for the step
         self.laned.update((seq.id, (seq, now)) for seq, _ in plan)
         return plan
 

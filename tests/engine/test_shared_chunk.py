@@ -139,13 +139,14 @@ def test_a_short_request_a_running_prompts_chunk_left_waiting_runs_in_a_lane_bef
 def test_a_request_run_in_a_lane_gets_its_next_tokens_in_lanes_as_they_come_due(tiny_model):
     """b's request runs in a lane step before the first layer of a's step (it came just before it); its next token
     comes due at once (every step costs nothing, by hand), so a lane step before the second layer gives it, not the
-    step's end (a's 512-token steps kept b's second token 1.3 s). Its tokens are those it gets alone."""
+    step's end (a's 512-token steps kept b's second token 1.3 s). Its prompt ends a block: the token's KV needs a new
+    one. Its tokens are those it gets alone."""
     prefix = list(range(5000, 5064))
     llm = LLM(model=tiny_model, max_batch_tokens=64)
     _finish(llm, [llm.engine.add_request(prefix + [1], PARAMS, CacheScope(tenant="b"))])  # b caches its prefix
     a = llm.engine.add_request(A[0], PARAMS, CacheScope(tenant="a"))
     llm.engine.step()
-    b = llm.engine.add_request(prefix + B[:8], PARAMS, CacheScope(tenant="b"))
+    b = llm.engine.add_request(prefix + B[:16], PARAMS, CacheScope(tenant="b"))
     llm.engine.cost.coef = np.zeros(4)
     lanes = []
 
@@ -157,7 +158,7 @@ def test_a_request_run_in_a_lane_gets_its_next_tokens_in_lanes_as_they_come_due(
     assert lanes == [[(b.id, 1)], [(b.id, 2)]] and a.num_computed == 128
     out = _finish(llm, [a, b])
     cold = LLM(model=tiny_model, enable_prefix_cache=False)
-    expected = [cold.generate([p], PARAMS)[0] for p in (A[0], prefix + B[:8])]
+    expected = [cold.generate([p], PARAMS)[0] for p in (A[0], prefix + B[:16])]
     assert out == [(o.token_ids, o.cumulative_logprob) for o in expected]
 
 
