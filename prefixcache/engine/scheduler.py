@@ -157,8 +157,10 @@ class Scheduler:
     def lane(self, now: float, admit: bool) -> list[tuple[Sequence, int]]:
         """Inside a step under way (Engine.lane_step): the next token of each sequence a lane step ran inside it, once
         `slowdown` times its row's cost has passed since (its tenant has nothing in the step: its answer goes on at
-        the pace the bound gives it, not at the step's), and if `admit`, _admit's."""
-        plan, self.left_waiting = self._admit(now) if admit else [], False
+        the pace the bound gives it, not at the step's), and _admit's: if not `admit`, only of those sequences'
+        tenants (a client's next request, after an answer that ran in lanes, need not wait for the step either)."""
+        tenants = None if admit else {seq.scope.tenant for seq, _ in self.laned.values()}
+        plan, self.left_waiting = self._admit(now, tenants) if admit or tenants else [], False
         ids = {seq.id for seq, _ in plan}
         plan += [(seq, 1) for seq, at in self.laned.values() if seq.id not in ids and seq.status is Status.RUNNING and
                  seq.num_uncomputed == 1 and now - at >= self.slowdown * self.cost.seconds(Work(1, len(seq.tokens)))
@@ -172,7 +174,7 @@ class Scheduler:
         next tokens of sequences a lane step ran inside it."""
         return self.left_waiting or bool(self.laned)
 
-    def _admit(self, now: float) -> list[tuple[Sequence, int]]:
+    def _admit(self, now: float, tenants: set[str] | None) -> list[tuple[Sequence, int]]:
         """Inside a step under way: waiting requests that need few tokens to reach their next one (short prompts past
         their cached prefix), admitted now, with those tokens. Without objectives: at most
         `shared_chunk` tokens in all, of any tenant; without it, a block's worth, and only of tenants with no
@@ -183,7 +185,7 @@ class Scheduler:
         answer can absorb the wait for its second token, which comes after the step under way ends (Pace.allowance;
         the lane steps admitted after it delay it too). A request whose tenant holds less than its part of the slots
         may take the slot of a sequence the step holds back (engine/slowdown.py), preempted from the tenant running
-        furthest over its part."""
+        furthest over its part. `tenants`: if given, only theirs."""
         plan = []
         if not self.waiting:  # called before every layer of a step: most often, nothing to admit
             return plan
@@ -196,7 +198,8 @@ class Scheduler:
         for seq, m, _ in self._admission_order(now):
             need = to_first_token(seq, len(m))
             cost = self.cost.seconds(need)
-            if need.rows > budget or (not anyone and seq.scope.tenant in stepping):
+            if need.rows > budget or (not anyone and seq.scope.tenant in stepping) or \
+                    (tenants is not None and seq.scope.tenant not in tenants):
                 continue
             # what its answer can absorb past the wait for its second token, at the step's end (Pace.allowance)
             spare = self.pace.allowance(seq, decode) - (self.step_end - now) if self.pace else math.inf

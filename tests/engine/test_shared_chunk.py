@@ -1,8 +1,8 @@
 """--shared-chunk: how a tenant's long prompts make way for another tenant's short request. While two tenants have
 work, each one's prefill is capped per step except the one with the least engine time lately (a deficit round
 robin); a step that gives a request its first token carries no unfinished prefill chunk (every other step at
-most); and a short request that arrives during a step runs inside it, before one of its layers (once a step).
-Outputs are those of a run without any of this."""
+most); and a short request that arrives during a step runs inside it, before one of its layers (once a step, then
+only for the tenants it ran), with its next tokens in lanes too. Outputs are those of a run without any of this."""
 import time
 
 import numpy as np
@@ -81,8 +81,9 @@ def test_first_token_steps_alternate_with_the_others(tiny_model):
 
 def test_short_requests_run_inside_the_step_under_way(tiny_model):
     """b's and c's requests (a cached prefix and 8 new tokens each) arrive while a's step runs: they are computed
-    before the step's next layer, in one lane step, and get their first tokens before it ends. e's arrives next
-    and waits: one lane step a step. d's, with 100 tokens (more than shared_chunk), is never a lane's. Every
+    before the step's next layer, in one lane step, and get their first tokens before it ends. e's arrives next,
+    of the same tenant, and runs in a lane too (one lane a step admits requests, but a tenant whose requests ran in
+    one may have its next ones in others). d's, with 100 tokens (more than shared_chunk), is never a lane's. Every
     output equals a run without lanes, and a's step computes what it planned."""
     prefix = list(range(5000, 5064))
     prompts = {"b": prefix + B[:8], "c": prefix + B[8:16], "e": prefix + list(range(7000, 7008)),
@@ -99,11 +100,11 @@ def test_short_requests_run_inside_the_step_under_way(tiny_model):
             lanes.append(sorted(s.id for s in llm.engine.lane_step()))
 
     llm.engine.step(between)  # a's whole prompt (b has no work when it is planned); the tiny model has two layers
-    assert lanes == [sorted([seqs["b"].id, seqs["c"].id]), []] and a.num_computed == len(A[0])
-    assert seqs["b"].output_ids and seqs["c"].output_ids and not seqs["e"].output_ids
+    assert lanes == [sorted([seqs["b"].id, seqs["c"].id]), [seqs["e"].id]] and a.num_computed == len(A[0])
+    assert seqs["b"].output_ids and seqs["c"].output_ids and seqs["e"].output_ids
     assert seqs["b"].cache.num_cached == len(prefix)
-    llm.engine.step(between)  # e runs in this step's batch; d arrives: 100 tokens are more than a lane takes
-    assert lanes[-1] == [] and seqs["e"].output_ids and not seqs["d"].output_ids
+    llm.engine.step(between)  # d arrives: 100 tokens are more than a lane takes
+    assert lanes[-1] == [] and not seqs["d"].output_ids
     out = _finish(llm, [a, *(seqs[k] for k in "bced")])
 
     cold = LLM(model=tiny_model, enable_prefix_cache=False)
@@ -139,26 +140,30 @@ def test_a_short_request_a_running_prompts_chunk_left_waiting_runs_in_a_lane_bef
 def test_a_request_run_in_a_lane_gets_its_next_tokens_in_lanes_as_they_come_due(tiny_model):
     """b's request runs in a lane step before the first layer of a's step (it came just before it); its next token
     comes due at once (every step costs nothing, by hand), so a lane step before the second layer gives it, not the
-    step's end (a's 512-token steps kept b's second token 1.3 s). Its prompt ends a block: the token's KV needs a new
-    one. Its tokens are those it gets alone."""
+    step's end (a's 512-token steps kept b's second token 1.3 s), and b's next request, arriving then, runs in it too
+    (its client's next question need not wait for the step either), c's not: one lane a step admits requests of
+    others. b's prompt ends a block: the token's KV needs a new one. Every answer is the one it gets alone."""
     prefix = list(range(5000, 5064))
     llm = LLM(model=tiny_model, max_batch_tokens=64)
-    _finish(llm, [llm.engine.add_request(prefix + [1], PARAMS, CacheScope(tenant="b"))])  # b caches its prefix
+    _finish(llm, [llm.engine.add_request(prefix + [1], PARAMS, CacheScope(tenant=t)) for t in "bc"])  # cached
     a = llm.engine.add_request(A[0], PARAMS, CacheScope(tenant="a"))
     llm.engine.step()
     b = llm.engine.add_request(prefix + B[:16], PARAMS, CacheScope(tenant="b"))
     llm.engine.cost.coef = np.zeros(4)
-    lanes = []
+    lanes, later = [], []
 
     def between() -> None:
+        if lanes:  # before the second layer: b's next request, and c's
+            later.extend(llm.engine.add_request(prefix + B[:8], PARAMS, CacheScope(tenant=t)) for t in "bc")
         if llm.engine.scheduler.lane_due:
-            lanes.append([(s.id, len(s.output_ids)) for s in llm.engine.lane_step()])
+            lanes.append(sorted((s.id, len(s.output_ids)) for s in llm.engine.lane_step()))
 
     llm.engine.step(between)  # the tiny model has two layers
-    assert lanes == [[(b.id, 1)], [(b.id, 2)]] and a.num_computed == 128
-    out = _finish(llm, [a, b])
+    assert lanes == [[(b.id, 1)], sorted([(b.id, 2), (later[0].id, 1)])] and a.num_computed == 128
+    assert not later[1].output_ids
+    out = _finish(llm, [a, b, *later])
     cold = LLM(model=tiny_model, enable_prefix_cache=False)
-    expected = [cold.generate([p], PARAMS)[0] for p in (A[0], prefix + B[:16])]
+    expected = [cold.generate([p], PARAMS)[0] for p in (A[0], prefix + B[:16], prefix + B[:8], prefix + B[:8])]
     assert out == [(o.token_ids, o.cumulative_logprob) for o in expected]
 
 
