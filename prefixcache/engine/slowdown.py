@@ -20,7 +20,7 @@ bound holds on average over the steps they waited, and the other tenant's tokens
 between. A few tokens a step would hold the bound in each step, but pay in each the chunk's fixed costs (its KV read
 to the end of its context, its part of the step's overhead) and give the lighter tenant a slower token every time:
 another tenant's 3,000-token prompts (512 tokens a step) took a stream's inter-token p50 from 7 ms to 0.9 s, with a
-few tokens of theirs in every step to 14.5 ms (1.69x), and held back to 1.23x (bench/results/abuse-issue57.md). A
+few tokens of theirs in every step to 14.5 ms (1.69x), and held back to 1.21x (bench/results/abuse-issue57.md). A
 request of a tenant that has had less is not cut (its first token is not made to wait for others' streams), nor are a
 tenant's own chunks beside its own rows. Costs are the step cost's predictions (engine/step_cost.py).
 """
