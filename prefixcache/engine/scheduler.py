@@ -154,7 +154,7 @@ class Scheduler:
         self.step_end = now + cost
         return sorted(plan, key=lambda p: p[1] != 1)  # decode rows first, so they batch into one group
 
-    def lane(self, now: float, admit: bool) -> list[tuple[Sequence, int]]:
+    def lane(self, now: float, admit: bool = True) -> list[tuple[Sequence, int]]:
         """Inside a step under way (Engine.lane_step): the next token of each sequence a lane step ran inside it, once
         `slowdown` times its row's cost has passed since (its tenant has nothing in the step: its answer goes on at
         the pace the bound gives it, not at the step's), and _admit's: if not `admit`, only of those sequences'
