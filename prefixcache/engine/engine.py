@@ -29,7 +29,7 @@ from prefixcache.engine.pace import Pace
 from prefixcache.engine.runner import ModelRunner, build_model
 from prefixcache.engine.sampler import RowFault, Sampler
 from prefixcache.engine.scheduler import Scheduler
-from prefixcache.engine.sequence import Fault, SamplingParams, Sequence, Status, TokenLogprob, request_samples
+from prefixcache.engine.sequence import Fault, Plan, SamplingParams, Sequence, Status, TokenLogprob, request_samples
 from prefixcache.engine.speculation import Speculation
 from prefixcache.engine.step_cost import StepCost, Work
 from prefixcache.engine.tiering import open_tiers
@@ -128,8 +128,8 @@ class Engine:
     def step(self, between: Callable[[], None] | None = None) -> list[Sequence]:
         """Run one batch; returns the sequences that received a token, finished or failed (Sequence.fault: that
         request alone failed; every other sequence goes on). If the forward fails, its sequences are aborted (their
-        blocks freed) and StepFailed names them. `between` is called before each layer of the forward; it may call
-        lane_step()."""
+        blocks freed) and StepFailed names them. `between`, called before each layer, may call lane_step()."""
+        began = self.cost.starting()
         failed = [s for seq, e in self.grammars.hand(self.scheduler.waiting)
                   for s in self.fail(seq, Fault(str(e), internal=not isinstance(e, ValueError)))]
         plan = self.scheduler.schedule(time.monotonic())
@@ -138,7 +138,10 @@ class Engine:
             wait([s.grammar for s in self.scheduler.waiting if s.grammar], 0.002, FIRST_COMPLETED)
             return failed
         self.lane_open, self.laned = True, False
-        return failed + self._run(plan, between)
+        work, touched = self._run(plan, between)
+        if not self.laned:  # else a lane step ran inside it: its time is not this plan's alone
+            self.cost.ran(work, began, follows=self.has_unfinished())
+        return failed + touched
 
     def lane_step(self) -> list[Sequence]:
         """Inside a step, before one of its layers: run the waiting requests that Scheduler.lane() lets through in a
@@ -147,16 +150,19 @@ class Engine:
         requests takes at most about half of the time of the steps it interrupts (a forward's cost is mostly per step,
         not per token, on a CPU); with them, as many as Scheduler.lane lets through (within the slack the step leaves
         its decodes, or the step's own length)."""
-        plan = self.scheduler.lane(time.monotonic(), self.lane_open)
+        began = time.monotonic()
+        plan = self.scheduler.lane(began, self.lane_open)
         if not plan:
             return []
         self.lane_open, self.laned = self.lane_open and self.scheduler.pace is not None, True
-        return self._run(plan, None)
+        work, touched = self._run(plan, None)
+        self.cost.ran(work, began, follows=False)
+        return touched
 
-    def _run(self, plan: list[tuple[Sequence, int]], between: Callable[[], None] | None) -> list[Sequence]:
+    def _run(self, plan: Plan, between: Callable[[], None] | None) -> tuple[Work, list[Sequence]]:
         drafts = self.speculation.drafts(plan)  # appended to their sequences' tokens for this forward only
         plan = [(seq, n + len(drafts.get(seq.id, ()))) for seq, n in plan]
-        work, started = Work(), time.monotonic()
+        work = Work()
         for seq, n in plan:
             work += seq.work(n)
             prompt = max(0, min(seq.num_computed + n, seq.num_prompt) - seq.num_computed)
@@ -178,13 +184,10 @@ class Engine:
             if seq.status is Status.FINISHED:  # another sample of its request failed in this step
                 continue
             touched += self._isolated(seq, lambda: self._postprocess(seq, n - len(draft), logits.get(seq.id), draft))
-        if between is None or not self.laned:  # else a lane step ran inside it: its time is not this plan's alone
-            self.cost.record(work, time.monotonic() - started)
-        return touched
+        return work, touched
 
     def _postprocess(self, seq: Sequence, n: int, logits: torch.Tensor | None, draft: list[int]) -> list[Sequence]:
-        """After the forward: account the sequence's n computed tokens, then give it (and the samples that start
-        from its prompt) its next tokens. Returns the sequences touched."""
+        """Account the sequence's n computed tokens, then give it (and its prompt's other samples) their next tokens."""
         self.prompt_tokens_computed += max(0, min(seq.num_computed + n, seq.num_prompt) - seq.num_computed)
         seq.num_computed += n
         self.blocks.publish(seq)

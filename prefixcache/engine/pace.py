@@ -15,7 +15,7 @@ its tenant.
 """
 import math
 
-from prefixcache.engine.sequence import Sequence
+from prefixcache.engine.sequence import Plan, Sequence
 from prefixcache.engine.step_cost import StepCost, Work
 
 AIM = 0.9  # the share of each objective a schedule aims at: a step's predicted cost errs, and the client sees each
@@ -78,7 +78,7 @@ class Pace:
         return not self.hopeless(seq, work, now) and now + self.cost.seconds(step) + self.cost.seconds(work) > \
             self.deadline(seq)
 
-    def kept(self, waiting: list[tuple[Sequence, int]], step: Work, slack: float, now: float) -> Work:
+    def kept(self, waiting: Plan, step: Work, slack: float, now: float) -> Work:
         """The part of the step's slack kept for the waiting requests (with their cached tokens) that fit in it whole
         and can still meet their first token (a short suffix past a cached prefix, mostly): a running prompt's chunk
         takes what they leave, so a cold prompt under way does not make them wait."""

@@ -9,7 +9,7 @@ from prefixcache import kernels
 from prefixcache.cache.pool import KVPool
 from prefixcache.config import Config
 from prefixcache.engine.sampler import ranked_logprobs
-from prefixcache.engine.sequence import Sequence
+from prefixcache.engine.sequence import Plan, Sequence
 from prefixcache.models.attention import Queries
 from prefixcache.models.llama import Batch, Llama
 from prefixcache.models.loader import Weights
@@ -26,7 +26,7 @@ class ModelRunner:
         self.head_rows = head_rows  # the LM head's calls have at most this many rows: the counts the probe verified
         self.adapters = adapters  # LoRA adapters by fingerprint: a sequence's is its scope's `adapter`
 
-    def run(self, plan: list[tuple[Sequence, int]], verify: set[int] = frozenset(),
+    def run(self, plan: Plan, verify: set[int] = frozenset(),
             between: Callable[[], None] | None = None) -> dict[int, torch.Tensor]:
         """Compute the planned tokens. Returns next-token logits [rows, vocab] for sequences that reached their last
         token (one row; a row per computed token for the sequences in `verify`, whose drafts they check); the

@@ -27,7 +27,7 @@ from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.memory_shares import admit, grow, running_pages
 from prefixcache.engine.pace import Pace, to_first_token
 from prefixcache.engine.prefill_shares import PrefillShares
-from prefixcache.engine.sequence import Sequence, Status
+from prefixcache.engine.sequence import Plan, Sequence, Status
 from prefixcache.engine.slot_shares import claim, rebalance
 from prefixcache.engine.slowdown import bounded
 from prefixcache.engine.step_cost import StepCost, Work
@@ -66,13 +66,13 @@ class Scheduler:
         self.blocks.prefetch(seq)
         self.waiting.append(seq)
 
-    def schedule(self, now: float) -> list[tuple[Sequence, int]]:
+    def schedule(self, now: float) -> Plan:
         """(sequence, tokens to compute) pairs: decodes first, then prefill chunks, within the token budget and, with
         objectives, the step's slack (see the module). While several tenants have work, each tenant's prefill tokens
         in a step are capped at `shared_chunk` (if set), except the one that has had the least engine time lately,
         so that one tenant's long prompts keep steps short for the others' first tokens."""
         budget = self.max_batch_tokens
-        plan: list[tuple[Sequence, int]] = []
+        plan: Plan = []
         rebalance(self.running, self._ready(), self.shares, self.max_num_seqs, self.preempt)
         shares = self._prefill_shares()
         batch = Work(len(self.running), sum(len(s.tokens) for s in self.running))  # a step decoding every one
@@ -154,7 +154,7 @@ class Scheduler:
         self.step_end = now + cost
         return sorted(plan, key=lambda p: p[1] != 1)  # decode rows first, so they batch into one group
 
-    def lane(self, now: float, admit: bool = True) -> list[tuple[Sequence, int]]:
+    def lane(self, now: float, admit: bool = True) -> Plan:
         """Inside a step under way (Engine.lane_step): the next token of each sequence a lane step ran inside it, once
         `slowdown` times its row's cost has passed since (its tenant has nothing in the step: its answer goes on at
         the pace the bound gives it, not at the step's), and _admit's: if not `admit`, only of those sequences'
@@ -174,7 +174,7 @@ class Scheduler:
         next tokens of sequences a lane step ran inside it."""
         return self.left_waiting or bool(self.laned)
 
-    def _admit(self, now: float, tenants: set[str] | None) -> list[tuple[Sequence, int]]:
+    def _admit(self, now: float, tenants: set[str] | None) -> Plan:
         """Inside a step under way: waiting requests that need few tokens to reach their next one (short prompts past
         their cached prefix), admitted now, with those tokens. Without objectives: at most
         `shared_chunk` tokens in all, of any tenant; without it, a block's worth, and only of tenants with no
@@ -270,7 +270,7 @@ class Scheduler:
             return PrefillShares(None)
         return PrefillShares(self.shared_chunk, self.usage.least(tenants))
 
-    def _first_token_lane(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    def _first_token_lane(self, plan: Plan) -> Plan:
         """While tenants share the engine: a step that gives a request its first token carries no prefill chunk
         that leaves more of its prompt to compute (decode rows stay), unless the step before was such a step. A
         short request admitted between two steps then runs in a step of its own size, and long prompts still get

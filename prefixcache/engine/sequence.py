@@ -256,6 +256,9 @@ class Sequence:
             error=self.fault.message if self.fault else None,
         )
 
+Plan = list[tuple[Sequence, int]]  # a step's sequences and the tokens each computes in it
+
+
 def request_samples(prompt: list[int], params: SamplingParams, scope: CacheScope, breakpoints: list[Breakpoint],
                     priority: int, detok: Callable[[], Detokenizer], grammar: Future | None,
                     draft_len: int) -> list[Sequence]:

@@ -26,13 +26,13 @@ tenant's own chunks beside its own rows. Costs are the step cost's predictions (
 """
 import math
 from collections import Counter
+from itertools import accumulate
 
 from prefixcache.cache.shares import guarantees
-from prefixcache.engine.sequence import Sequence
+from prefixcache.engine.sequence import Plan, Sequence
 from prefixcache.engine.step_cost import StepCost, Work
 from prefixcache.engine.usage import Usage
 
-Plan = list[tuple[Sequence, int]]
 HELD = 4  # steps in a row a tenant's prompt chunks may be held back whole before they run at least its equal part
 
 
@@ -48,15 +48,18 @@ def bounded(plan: Plan, cost: StepCost, shares: dict[str, float], slowdown: floa
         return plan
     prompts = sum((seq.work(n) for seq, n in plan if seq.num_uncomputed > 1), Work())
     weight = {t: max(w, 1e-9) for t, w in guarantees(Counter(dict.fromkeys(rows, 1)), shares, 1).items()}
+    first = {t: list(accumulate((seq.work(1) for seq in r), initial=Work())) for t, r in rows.items()}  # [k]: k rows'
+    count = {t: len(r) for t, r in rows.items()}
     while True:
-        work = {t: sum((seq.work(1) for seq in r), Work()) for t, r in rows.items()}
+        work = {t: first[t][k] for t, k in count.items()}
         step = cost.seconds(prompts + sum(work.values(), Work()))
         bound = min(max(slowdown * cost.seconds(prompts + work[t]), cost.seconds(prompts + _equal(work, weight, t)))
                     for t in rows)
-        heavy = max(rows, key=lambda t: len(rows[t]) / weight[t])
-        if step <= bound or len(rows[heavy]) <= 1:
+        heavy = max(rows, key=lambda t: count[t] / weight[t])
+        if step <= bound or count[heavy] <= 1:
             break
-        rows[heavy].pop()
+        count[heavy] -= 1
+    rows = {t: r[:count[t]] for t, r in rows.items()}
     kept = {seq.id for r in rows.values() for seq in r}
     plan = [(seq, n) for seq, n in plan if seq.num_uncomputed > 1 or seq.id in kept]
     # a tenant between two requests, as if it had one row (its next may run in a lane step inside this one)
@@ -70,9 +73,11 @@ def _chunks(plan: Plan, cost: StepCost, weight: dict[str, float], slowdown: floa
     bound, of tenants that have had more engine time lately: the heaviest (by weight) first, each held whole for HELD
     steps (counted in `usage.held`), then cut to what HELD + 1 steps' slack allows, the largest chunk first, but to
     at least as many tokens in all as that tenant has rows (by weight)."""
+    prompts = [seq for seq, _ in plan if seq.num_uncomputed > 1]
+    if not prompts:
+        return plan
     asked = {seq.id: n for seq, n in plan}
     sizes = dict(asked)
-    prompts = [seq for seq, _ in plan if seq.num_uncomputed > 1]
     chunks, ids = {seq.scope.tenant for seq in prompts}, {seq.id for seq in prompts}
 
     def work(tenant: str | None = None, without: str | None = None) -> Work:

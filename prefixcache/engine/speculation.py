@@ -8,7 +8,7 @@ import torch
 from prefixcache.engine.blocks import BlockManager
 from prefixcache.engine.drafter import Drafter
 from prefixcache.engine.sampler import Sampler
-from prefixcache.engine.sequence import SamplingParams, Sequence, TokenLogprob
+from prefixcache.engine.sequence import Plan, SamplingParams, Sequence, TokenLogprob
 
 log = logging.getLogger("prefixcache.engine")
 
@@ -24,7 +24,7 @@ class Speculation:
         """Whether to draft for a request: never with features verified one token at a time elsewhere."""
         return self.drafter.enabled and p.speculative and not (p.penalized or p.logprobs is not None or p.guide)
 
-    def drafts(self, plan: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
+    def drafts(self, plan: Plan) -> dict[int, list[int]]:
         """Draft tokens for the decoding sequences of the plan, within the step's token budget; each is appended to
         its sequence's tokens. A draft's blocks are made room for as any decode's are (evicting if need be), so
         acceptance never depends on how much of the pool other tenants' entries hold."""

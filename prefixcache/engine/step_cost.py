@@ -3,11 +3,13 @@ the weights multiply (a decode row or a prompt token), a part per query-key pair
 token through the LM head (for a request's prompt logprobs: about 0.26 ms a token on SmolLM2, with its log-softmax
 and ranks). A step's cost is linear in those on a CPU (the GEMMs are bound by compute, attention by the keys it
 reads), so a least-squares fit over the recent steps predicts the next one; the scheduler sizes steps by it against
-the latency objectives (engine/pace.py). The machine's speed is shared by every tenant, so this tells no one anything
-about another."""
+the latency objectives (engine/pace.py). A step's time is what its tokens wait for: from its start (its scheduling
+included) to the next step's, when that follows at once. The machine's speed is shared by every tenant, so this tells
+no one anything about another."""
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,8 +21,7 @@ EARLY = 32  # steps after each of which the fit is made again: the prior is far 
 PRIOR_WEIGHT = 0.01  # the prior counts as a hundredth of a step: it decides only what the steps seen leave open
 
 
-@dataclass(frozen=True)
-class Work:
+class Work(NamedTuple):  # a tuple, not a dataclass: the scheduler adds hundreds a step
     """A step's size: rows through the weights, query-key pairs attended, and prompt tokens through the LM head
     (a decode row's logits count with its row)."""
 
@@ -43,10 +44,12 @@ class StepCost:
         self.seen: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)  # rows, keys, heads, seconds
         self.coef = PRIOR.copy()
         self.unfit = 0  # steps seen since the last fit
+        self.pending: tuple[Work, float] | None = None  # the last step's work and start, while the next follows it
 
     def seconds(self, work: Work) -> float:
         """The predicted seconds of a step of this size."""
-        return float(self.coef @ (1.0, work.rows, work.keys, work.heads))
+        step, row, key, head = self.coef
+        return float(step + row * work.rows + key * work.keys + head * work.heads)
 
     def most(self, step: Work, chunk: Callable[[int], Work], n: int, least: int, limit: float) -> int:
         """The most of n prompt tokens (`chunk`: the work of so many) that a step of `step` so far can add within
@@ -62,6 +65,24 @@ class StepCost:
     def per_token(self, context: int) -> float:
         """The predicted seconds one more prompt token after `context` costs a step."""
         return float(self.coef[1] + self.coef[2] * (context + 1))
+
+    def starting(self) -> float:
+        """A step starts now (returned): the one before it, if it ran back to back with this one, cost the time until
+        now."""
+        now = time.monotonic()
+        if self.pending:
+            self.record(self.pending[0], now - self.pending[1])
+            self.pending = None
+        return now
+
+    def ran(self, work: Work, began: float, follows: bool) -> None:
+        """A step of this work ran from `began` until now; `follows`: the next step follows at once (the engine has
+        work left), and this one's cost is the time until that one starts: what its tokens wait for includes their
+        handing out to the requests and the adding of the requests that came meanwhile."""
+        if follows:
+            self.pending = work, began
+        else:
+            self.record(work, time.monotonic() - began)
 
     def record(self, work: Work, seconds: float) -> None:
         """A step of this size took this long; refit after each of the first steps, then every few."""

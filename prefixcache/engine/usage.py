@@ -2,7 +2,7 @@
 and the slowdown bound (engine/slowdown.py) go by."""
 import time
 
-from prefixcache.engine.sequence import Sequence
+from prefixcache.engine.sequence import Plan, Sequence
 
 USAGE_HALF_LIFE = 2.0  # seconds: how fast a tenant's engine use is forgotten (Usage.charge)
 NEXT_REQUEST = 0.1  # seconds a tenant still counts as having work after its last request finished: the gap of a
@@ -16,7 +16,7 @@ class Usage:
         self.finished: dict[str, float] = {}  # tenant -> when its last request finished (monotonic)
         self.held: dict[str, int] = {}  # tenant -> steps in a row its prompt chunks were held back whole (slowdown.py)
 
-    def charge(self, plan: list[tuple[Sequence, int]]) -> None:
+    def charge(self, plan: Plan) -> None:
         """Charge a step to its tenants: the tokens each computed in it, a measure of engine time that does not
         depend on the machine's noise (nor tell a tenant anything through it); older charges fade."""
         now = time.monotonic()

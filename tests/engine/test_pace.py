@@ -35,7 +35,7 @@ def due_at(llm: LLM, t: float, per_row: float = 0.001) -> None:
     that, if every step after the next took what a decode step takes, the next may end by t and each still meet the
     TPOT the schedule aims at (pace.AIM of the objective) over its answer."""
     e = llm.engine
-    e.cost.coef = np.array([0.01, per_row, 0.0, 0.0])
+    e.cost.coef, e.cost.record = np.array([0.01, per_row, 0.0, 0.0]), lambda work, seconds: None  # not learned
     decode = e.cost.seconds(Work(len(e.scheduler.running), 0))
     for seq in [s for s in e.scheduler.running if s.output_ids]:  # a prompt under way has no first token yet
         left = seq.params.max_tokens - len(seq.output_ids)
@@ -195,6 +195,23 @@ def test_the_step_cost_is_learned_from_the_steps_seen():
         cost.record(work, 0.004 + 0.002 * work.rows + 3e-8 * work.keys + 3e-4 * work.heads)
     assert cost.coef == pytest.approx([0.004, 0.002, 3e-8, 3e-4], rel=0.05)
     assert cost.seconds(Work(10, 1000)) == pytest.approx(0.004 + 0.02 + 3e-5, rel=0.05)
+
+
+def test_a_step_followed_at_once_by_the_next_costs_until_the_next_starts(monkeypatch):
+    """What a step's tokens wait for includes their handing out after the forward: a step the next follows at once is
+    counted until that one starts; one the engine idles after, until it ends."""
+    clock = iter([1.0, 2.0, 3.0, 3.2])
+    monkeypatch.setattr("prefixcache.engine.step_cost.time.monotonic", lambda: next(clock))
+    cost, seen = StepCost(), []
+    cost.record = lambda work, seconds: seen.append((work.rows, seconds))
+    began = cost.starting()  # 1.0
+    cost.ran(Work(3), began, follows=True)  # the forward ends (at 1.5, say): not counted yet
+    assert not seen
+    began = cost.starting()  # 2.0: the step before cost 1.0
+    cost.ran(Work(5), began, follows=False)  # ends at 3.0, and the engine idles
+    assert seen == [(3, 1.0), (5, 1.0)]
+    cost.starting()  # 3.2: nothing more to count
+    assert len(seen) == 2
 
 
 def test_a_new_servers_first_step_corrects_the_prior():
