@@ -23,6 +23,10 @@ class Family:
     # what a GGUF does not say and llama.cpp knows: every n-th layer global, the others sliding; their RoPE base
     gguf_window_pattern: int = 0
     gguf_local_theta: float = 10000.0
+    # mixture-of-experts layers (models/moe.py): a router's softmax picks each token's top k experts, their weights
+    # divided by their sum where the config's norm_topk_prob says so; a GGUF does not say it, llama.cpp knows it
+    moe: bool = False
+    gguf_norm_topk: bool = False
     chat_template: str = ""  # for a GGUF that carries none (a base model), as llama.cpp falls back to a known one
 
 
