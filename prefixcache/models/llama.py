@@ -58,6 +58,7 @@ class Llama:
                 q_norm=w.get(a + "q_norm.weight"), k_norm=w.get(a + "k_norm.weight"),
             ))
             if i in c.sparse_layers:
+                assert not c.sandwich_norms and c.activation == "silu", "a mixture of experts is Qwen3-MoE's block"
                 self.layers[-1]["experts"] = moe.load(p + "mlp.", c.experts, linear)
             else:
                 self.layers[-1].update(gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
