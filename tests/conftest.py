@@ -68,6 +68,12 @@ def tiny_gemma(tmp_path_factory) -> str:
     return family_model(str(tmp_path_factory.mktemp("tiny_gemma")), "gemma3", seed=3)
 
 
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory) -> str:
+    """A Qwen3-MoE: 8 experts, 2 a token, a dense layer between two sparse ones (tests/family_models.py)."""
+    return family_model(str(tmp_path_factory.mktemp("tiny_moe")), "qwen3_moe", seed=5)
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 

@@ -15,6 +15,9 @@ FAMILIES = {  # each family's own features, at the sizes of its real configs' ra
     "llama-linear": dict(rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 4.0}),
     "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=False),  # q, k, v biases
     "qwen3": dict(rope_theta=1000000.0, head_dim=48),  # QK-norm, and heads wider than hidden / heads
+    # Qwen3's attention; 8 experts of 256, 2 a token, their weights normalized; a dense layer between sparse ones
+    "qwen3_moe": dict(rope_theta=1000000.0, head_dim=48, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=256, norm_topk_prob=True, mlp_only_layers=[1]),
     "mistral": dict(rope_theta=1000000.0, sliding_window=128, head_dim=32),  # every layer reads a 128-key window
     # plain layers (our kernels run them in one op a run) whose local layers of a 128-key window alternate with a
     # global one: a run of each

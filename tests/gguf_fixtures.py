@@ -22,6 +22,8 @@ GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",  # each expert's weights stacked [experts, rows, k]
 }
 
 
@@ -39,7 +41,8 @@ def write_gguf(folder: str, path: str, kind_of, rope_factors: bool = False, arch
     written as llama.cpp does: a rope_freqs tensor. `arch` names another architecture than the model's."""
     with open(os.path.join(folder, "config.json")) as f:
         hf = json.load(f)
-    arch = arch or {"mistral": "llama", "gemma3_text": "gemma3"}.get(hf["model_type"], hf["model_type"])
+    arch = arch or {"mistral": "llama", "gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(hf["model_type"],
+                                                                                               hf["model_type"])
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
@@ -60,15 +63,19 @@ def write_gguf(folder: str, path: str, kind_of, rope_factors: bool = False, arch
     if hf.get("use_sliding_window", True) and hf.get("sliding_window"):
         w.add_sliding_window(hf["sliding_window"])
     w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    if experts := hf.get("num_experts") or hf.get("num_local_experts"):
+        w.add_expert_count(experts)
+        w.add_expert_used_count(hf["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
     _copy_tokenizer(w)
-    for name, t in load_file(os.path.join(folder, "model.safetensors")).items():
+    for name, t in _stacked(load_file(os.path.join(folder, "model.safetensors"))).items():
         g = _gguf_name(name, hf["model_type"])
         data = t.float().numpy()
         if _offset_norm(g, hf["model_type"]):  # llama.cpp's converter stores Gemma's norms as 1 + w
             data = data + 1
         if arch == "llama" and g.split(".")[-2] in ("attn_q", "attn_k"):
             data = _permute(data, heads if "attn_q" in g else kv_heads)
-        kind = kind_of(g) if data.ndim == 2 else "F32"
+        kind = kind_of(g) if data.ndim >= 2 else "F32"
         if kind == "F32":
             w.add_tensor(g, data)
         else:
@@ -78,11 +85,11 @@ def write_gguf(folder: str, path: str, kind_of, rope_factors: bool = False, arch
             except NotImplementedError:
                 block, size = gguf.GGML_QUANT_SIZES[qtype]
                 rng = np.random.default_rng(0)
-                blocks = rng.integers(0, 256, (data.shape[0], data.shape[1] // block, size), dtype=np.uint8)
+                blocks = rng.integers(0, 256, (*data.shape[:-1], data.shape[-1] // block, size), dtype=np.uint8)
                 if kind in LEVEL_KINDS:  # a block's fp16 scale first: small, so the weights are of a model's size
-                    d = rng.normal(0, LEVEL_KINDS[kind], blocks.shape[:2]).astype(np.float16)
-                    blocks[..., :2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
-                blocks = blocks.reshape(data.shape[0], -1)
+                    d = rng.normal(0, LEVEL_KINDS[kind], blocks.shape[:-1]).astype(np.float16)
+                    blocks[..., :2] = d.view(np.uint8).reshape(*blocks.shape[:-1], 2)
+                blocks = blocks.reshape(*data.shape[:-1], -1)
             w.add_tensor(g, blocks, raw_dtype=qtype)
     if rope_factors:
         w.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
@@ -103,7 +110,8 @@ def dequantized_folder(gguf_path: str, hf_folder: str, out: str) -> str:
     with open(os.path.join(hf_folder, "config.json")) as f:
         hf = json.load(f)
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
-    names = {_gguf_name(n, hf["model_type"]): n for n in load_file(os.path.join(hf_folder, "model.safetensors"))}
+    names = {_gguf_name(n, hf["model_type"]): n for n in _stacked(load_file(os.path.join(hf_folder,
+                                                                                      "model.safetensors")))}
     tensors = {}
     for t in reader.tensors:
         if t.name in names:
@@ -112,9 +120,28 @@ def dequantized_folder(gguf_path: str, hf_folder: str, out: str) -> str:
                 data = data - 1  # exact: the stored 1 + w lies in [0.5, 2]
             if hf["model_type"] in ("llama", "mistral") and t.name.split(".")[-2] in ("attn_q", "attn_k"):
                 data = _unpermute(data, heads if "attn_q" in t.name else kv_heads)
-            tensors[names[t.name]] = torch.from_numpy(np.ascontiguousarray(data))
+            data = torch.from_numpy(np.ascontiguousarray(data))
+            if ".experts." in names[t.name]:  # back to HF's tensor per expert
+                tensors.update({names[t.name].replace(".experts.", f".experts.{e}."): one.contiguous()
+                                for e, one in enumerate(data)})
+            else:
+                tensors[names[t.name]] = data
     save_file(tensors, os.path.join(out, "model.safetensors"))
     return out
+
+
+def _stacked(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF's tensors with each layer's experts' weights stacked, as llama.cpp's converter writes them: the experts'
+    mlp.experts.{e}.down_proj.weight as one mlp.experts.down_proj.weight [experts, rows, k]."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if "experts" in parts:
+            at = parts.index("experts")
+            experts.setdefault(".".join(parts[:at + 1] + parts[at + 2:]), {})[int(parts[at + 1])] = t
+        else:
+            out[name] = t
+    return out | {name: torch.stack([by[e] for e in range(len(by))]) for name, by in experts.items()}
 
 
 def _gguf_name(hf_name: str, model_type: str) -> str:

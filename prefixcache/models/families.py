@@ -23,6 +23,10 @@ class Family:
     # what a GGUF does not say and llama.cpp knows: every n-th layer global, the others sliding; their RoPE base
     gguf_window_pattern: int = 0
     gguf_local_theta: float = 10000.0
+    # mixture-of-experts layers (models/moe.py): a router's softmax picks each token's top k experts, their weights
+    # divided by their sum where the config's norm_topk_prob says so; a GGUF does not say it, llama.cpp knows it
+    moe: bool = False
+    gguf_norm_topk: bool = False
     chat_template: str = ""  # for a GGUF that carries none (a base model), as llama.cpp falls back to a known one
 
 
@@ -42,6 +46,7 @@ FAMILIES = (
     Family("mistral", "mistral", "MistralForCausalLM", "llama", gguf_permuted_qk=True),
     Family("qwen2", "qwen2", "Qwen2ForCausalLM", "qwen2"),
     Family("qwen3", "qwen3", "Qwen3ForCausalLM", "qwen3", qk_norm=True),
+    Family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe", qk_norm=True, moe=True, gguf_norm_topk=True),
     Family("gemma3", "gemma3_text", "Gemma3ForCausalLM", "gemma3", qk_norm=True, activation="gelu_tanh",
            embed_scale=True, norm_offset=True, sandwich_norms=True, gguf_window_pattern=6, chat_template=GEMMA_TURNS,
            gguf_names={"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -52,8 +57,7 @@ MISSING = {  # families people run that need what we lack
     "gemma2": "logit soft-capping",
     "gemma": "GeGLU with exact GELU",
     "phi3": "fused qkv and gate_up tensors and LongRoPE scaling",
-    "qwen2_moe": "mixture-of-experts layers",
-    "qwen3_moe": "mixture-of-experts layers",
+    "qwen2_moe": "a shared expert beside its mixture of experts",
     "mixtral": "mixture-of-experts layers",
 }
 

@@ -18,8 +18,10 @@ NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
 }
+EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked: [experts,
+# rows, k], each expert's slice HF's mlp.experts.{e}.{name}
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.x's RoPE scaling, as llama.cpp's converter writes it
 
 
@@ -61,8 +63,16 @@ def _hf_config(fields: dict, family: Family, tensors: dict, tokenizer) -> dict:
                 "sliding_attention": {"rope_type": "default", "rope_theta": family.gguf_local_theta}}
     elif window:
         windows = {"sliding_window": window}
+    moe = {}
+    if family.moe:  # llama.cpp's files say which layers are sparse by the routers they hold
+        sparse = {int(n.split(".")[2]) for n in tensors if n.endswith(".mlp.gate.weight")}
+        moe = {"num_experts": fields[f"{arch}.expert_count"],
+               "num_experts_per_tok": fields[f"{arch}.expert_used_count"],
+               "moe_intermediate_size": fields[f"{arch}.expert_feed_forward_length"],
+               "norm_topk_prob": bool(fields.get(f"{arch}.expert_weights_norm", family.gguf_norm_topk)),
+               "mlp_only_layers": [i for i in range(layers) if i not in sparse]}
     embed = tensors["model.embed_tokens.weight"]
-    return {**windows,
+    return {**windows, **moe,
         "model_type": family.hf_type, "architectures": [family.hf_class], "vocab_size": embed.shape[0],
         "hidden_size": hidden, "intermediate_size": fields[f"{arch}.feed_forward_length"],
         "num_hidden_layers": layers, "num_attention_heads": heads,
@@ -115,7 +125,13 @@ def _tensors(file: np.memmap, table: list[dict], fields: dict, family: Family):
         if name == ROPE_FACTORS:
             yield name, torch.from_numpy(np.array(values, dtype=np.float32))
             continue
-        if parts[0] == "blk" and parts[2] in names:
+        stacked = parts[0] == "blk" and parts[2] in EXPERTS
+        if stacked:
+            experts = fields.get(f"{arch}.expert_count")
+            if values.shape[0] != experts:
+                raise ValueError(f"GGUF tensor {name!r} holds {values.shape[0]} experts, but {arch}.expert_count says "
+                                 f"{experts}")
+        elif parts[0] == "blk" and parts[2] in names:
             name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
         elif parts[0] in NAMES and len(parts) == 2:
             name = f"{NAMES[parts[0]]}.{parts[1]}"
@@ -133,6 +149,11 @@ def _tensors(file: np.memmap, table: list[dict], fields: dict, family: Family):
         if family.gguf_permuted_qk and parts[-2] in ("attn_q", "attn_k"):
             data = _unpermute(data, heads if parts[-2] == "attn_q" else kv_heads)
         data = torch.from_numpy(np.ascontiguousarray(data))
+        if stacked:  # each expert's slice a view of the one copy read
+            for e, one in enumerate(data):
+                yield f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERTS[parts[2]]}.{parts[3]}", \
+                    one if kind == "F32" else Blocks(kind, one)
+            continue
         yield name, data if kind == "F32" else Blocks(kind, data)
 
 

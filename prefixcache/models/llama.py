@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.cache.pool import KVPool
-from prefixcache.models import attention, paged, quant, rope
+from prefixcache.models import attention, moe, paged, quant, rope
 from prefixcache.models.attention import Queries
 from prefixcache.models.exactness import Exactness, RowOp, in_calls, rows_plan
 from prefixcache.models.loader import Weights
@@ -55,10 +55,14 @@ class Llama:
             self.layers.append(dict(
                 ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
                 qkv=linear(*(a + n + "_proj.weight" for n in "qkv")), qkv_bias=bias, o=linear(a + "o_proj.weight"),
-                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=linear(p + "mlp.down_proj.weight"),
                 q_norm=w.get(a + "q_norm.weight"), k_norm=w.get(a + "k_norm.weight"),
             ))
+            if i in c.sparse_layers:
+                assert not c.sandwich_norms and c.activation == "silu", "a mixture of experts is Qwen3-MoE's block"
+                self.layers[-1]["experts"] = moe.load(p + "mlp.", c.experts, linear)
+            else:
+                self.layers[-1].update(gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                                       down=linear(p + "mlp.down_proj.weight"))
             if c.sandwich_norms:  # Gemma: the norm before the MLP has its own name; two more after each block
                 self.layers[-1].update(ln2=w[p + "pre_feedforward_layernorm.weight"],
                                        post_attn=w[p + "post_attention_layernorm.weight"],
@@ -72,7 +76,7 @@ class Llama:
         self.attn_scale = c.attn_scale or c.head_dim ** -0.5
         self.exact: Exactness = rows_plan("", "until the engine sets the probed plan")
         # every layer of the form paged.layers computes (on our kernels, one op for a run of layers)
-        self.one_op = c.activation == "silu" and not c.qk_norm and not c.sandwich_norms
+        self.one_op = c.activation == "silu" and not c.qk_norm and not c.sandwich_norms and not c.sparse_layers
 
     @property
     def paged(self) -> bool:
@@ -87,7 +91,7 @@ class Llama:
 
     def gemm_weights(self) -> dict[str, torch.Tensor | Packed]:
         """Every GEMM's weight, by a name for people ("down of layer 3")."""
-        named = {f"{name} of layer {i}": L[name] for i, L in enumerate(self.layers) for name in LINEARS}
+        named = {f"{name} of layer {i}": w for i, L in enumerate(self.layers) for name, w in _gemms(L).items()}
         return {**named, "lm_head": self.lm_head}
 
     def drop_shipped(self, names: list[str]) -> None:
@@ -100,6 +104,9 @@ class Llama:
                 self.embed = self.lm_head
         for i, L in enumerate(self.layers):
             L.update({name: self.ops.dequantized(L[name]) for name in LINEARS if f"{name} of layer {i}" in names})
+            if "experts" in L:
+                L["experts"] = L["experts"].map(
+                    lambda name, w: self.ops.dequantized(w) if f"{name} of layer {i}" in names else w)
 
     def use(self, ops: TorchOps | KernelOps) -> None:
         """Run on other ops from now on (the torch path, when the kernels fail their startup check)."""
@@ -108,7 +115,9 @@ class Llama:
         if self.config.tie_embeddings:  # the table as these ops hold it, not the panels of the kernels' LM head
             self.embed = self.lm_head
         for L in self.layers:
-            L.update({name: ops.prepare(L[name]) for name in LINEARS})
+            L.update({name: ops.prepare(L[name]) for name in LINEARS if name in L})
+            if "experts" in L:
+                L["experts"] = L["experts"].map(lambda _, w: ops.prepare(w))
 
     @torch.inference_mode()
     def forward(self, batch: Batch, pool: KVPool, between: Callable[[], None] | None = None) -> torch.Tensor:
@@ -176,6 +185,10 @@ class Llama:
             else:
                 x = self._rows(self.ops.linear, o, L["o"], None, residual=x)
                 self._lora(batch, i, "o", x, lambda rows: o[rows])
+            if "experts" in L:
+                h = self._rows(self.ops.rms_norm, x, L["ln2"], eps)
+                x = x + moe.forward(self.ops, self._rows, h, L["experts"], c.experts_used, c.norm_topk)
+                continue
             gate_up = self._rows(self.ops.norm_linear, x, L["ln2"], eps, L["gate_up"])
             self._lora(batch, i, "gate_up", gate_up, lambda rows: self._rows(self.ops.rms_norm, x[rows], L["ln2"], eps))
             if c.sandwich_norms:
@@ -215,39 +228,58 @@ class Llama:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._rows(self.ops.linear, hidden, self.lm_head)
 
-    def row_ops(self, layer: int = 0) -> list[RowOp]:
+    def row_ops(self, layer: int | None = None) -> list[RowOp]:
         """What the exactness probe checks: every GEMM shape (on the real weights), RMSNorm (and over a head, with
-        QK-norm) and the MLP's activation."""
+        QK-norm) and the MLP's activation, of `layer` (None: of the first layer of each kind of MLP, dense or not)."""
+        if layer is None:
+            return self._of_firsts(self.row_ops)
         c, L, ops = self.config, self.layers[layer], self.ops
         glu = ops.swiglu if c.activation == "silu" else ops.geglu
+        mlp = moe.row_ops(ops, L["experts"], c.hidden_size, c.expert_size) if "experts" in L else [
+            RowOp("gate_up", ops.linear, (L["gate_up"],), c.hidden_size),
+            RowOp("down", ops.linear, (L["down"],), c.intermediate_size),
+            RowOp(glu.__name__, glu, (), 2 * c.intermediate_size)]
         return [RowOp("qkv", ops.linear, (L["qkv"], L["qkv_bias"]), c.hidden_size),
-                RowOp("o", ops.linear, (L["o"],), c.num_heads * c.head_dim),
-                RowOp("gate_up", ops.linear, (L["gate_up"],), c.hidden_size),
-                RowOp("down", ops.linear, (L["down"],), c.intermediate_size),
+                RowOp("o", ops.linear, (L["o"],), c.num_heads * c.head_dim), *mlp[:-1],
                 RowOp("lm_head", ops.linear, (self.lm_head,), c.hidden_size, head=True),
-                RowOp("rms_norm", ops.rms_norm, (L["ln1"], c.rms_norm_eps), c.hidden_size),
-                RowOp(glu.__name__, glu, (), 2 * c.intermediate_size)] + (
+                RowOp("rms_norm", ops.rms_norm, (L["ln1"], c.rms_norm_eps), c.hidden_size), mlp[-1]] + (
                 [RowOp("qk_norm", ops.rms_norm, (L["q_norm"], c.rms_norm_eps), c.head_dim)] if c.qk_norm else [])
 
-    def kernel_row_ops(self, layer: int = 0) -> list[RowOp]:
+    def kernel_row_ops(self, layer: int | None = None) -> list[RowOp]:
         """The row-wise calls the forward makes on our kernels, each as it makes it (a norm or the MLP's activation
         fused before a GEMM, a residual added after one): what the probe confirms there at every row count. On the
         torch path such a call is row_ops() in turn, which the probe checks one by one."""
+        if layer is None:
+            return self._of_firsts(self.kernel_row_ops)
         c, L, ops, eps = self.config, self.layers[layer], self.ops, self.config.rms_norm_eps
         glu_linear = ops.swiglu_linear if c.activation == "silu" else ops.geglu_linear
         glu = glu_linear.__name__.removesuffix("_linear")
         residual, plus = (0, "") if c.sandwich_norms else (c.hidden_size, "+residual")
+        mlp = moe.kernel_row_ops(ops, L["experts"], c.hidden_size, c.expert_size) if "experts" in L else [
+            RowOp("rms_norm+gate_up", ops.norm_linear, (L["ln2"], eps, L["gate_up"]), c.hidden_size),
+            RowOp(f"{glu}+down{plus}", glu_linear, (L["down"],), 2 * c.intermediate_size, residual=residual)]
         return [RowOp("rms_norm+qkv", ops.norm_linear, (L["ln1"], eps, L["qkv"], L["qkv_bias"]), c.hidden_size),
-                RowOp("o" + plus, ops.linear, (L["o"], None), c.num_heads * c.head_dim, residual=residual),
-                RowOp("rms_norm+gate_up", ops.norm_linear, (L["ln2"], eps, L["gate_up"]), c.hidden_size),
-                RowOp(f"{glu}+down{plus}", glu_linear, (L["down"],), 2 * c.intermediate_size, residual=residual),
+                RowOp("o" + plus, ops.linear, (L["o"], None), c.num_heads * c.head_dim, residual=residual), *mlp,
                 RowOp("lm_head", ops.linear, (self.lm_head,), c.hidden_size, head=True),
                 RowOp("rms_norm", ops.rms_norm, (self.norm, eps), c.hidden_size)] + (
                 [RowOp("qk_norm", ops.rms_norm, (L["q_norm"], eps), c.head_dim)] if c.qk_norm else [])
 
+    def _of_firsts(self, layer_ops: Callable[[int], list[RowOp]]) -> list[RowOp]:
+        """The ops of the first layer of each kind of MLP the model has (dense, a mixture of experts), one of a name."""
+        sparse = ["experts" in L for L in self.layers]
+        named: dict[str, RowOp] = {}
+        for op in (op for i in sorted({sparse.index(kind) for kind in set(sparse)}) for op in layer_ops(i)):
+            named.setdefault(op.name, op)
+        return list(named.values())
+
     def _rows(self, fn, x: torch.Tensor, *args, residual: torch.Tensor | None = None) -> torch.Tensor:
         """A row-wise fn(x, *args) (+ residual), in calls of the row counts the exactness plan verified."""
         return in_calls(fn, x, self.exact.call_rows(x.shape[0]), *args, residual=residual)
+
+
+def _gemms(L: dict) -> dict[str, torch.Tensor | Packed]:
+    """A layer's GEMM weights, by a name for people within the layer ("down", "down of expert 3")."""
+    return {name: L[name] for name in LINEARS if name in L} | (L["experts"].gemms() if "experts" in L else {})
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,11 @@ class ModelConfig:
     sliding_window: int = 0  # keys a local layer reads, its own included; 0: none
     local_layers: tuple[int, ...] = ()  # the layers that read only their window
     local_rope: rope.Rope | None = None  # the local layers' RoPE, where it differs
+    sparse_layers: tuple[int, ...] = ()  # the layers whose feed-forward block is a mixture of experts (models/moe.py)
+    experts: int = 0  # in each of them
+    experts_used: int = 0  # a token's top k
+    expert_size: int = 0  # an expert's gated MLP width
+    norm_topk: bool = False  # the top k's weights divided by their sum (HF's norm_topk_prob)
 
 
 @dataclass
@@ -192,6 +197,12 @@ def _config(hf: dict, tensor_names) -> ModelConfig:
     if unknown:
         raise ValueError(f"layer types {sorted(unknown)} are not supported yet")
     global_rope, local_rope = rope.from_hf(hf), rope.from_hf(hf, "sliding_attention")
+    experts = (hf.get("num_experts") or hf.get("num_local_experts") or 0) if family.moe else 0
+    used = hf.get("num_experts_per_tok", 0) if experts else 0
+    if experts and not 0 < used <= experts:
+        raise ValueError(f"num_experts_per_tok {used} is not a count of the model's {experts} experts")
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    sparse = tuple(i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0)
     return ModelConfig(
         family=family.name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], num_layers=layers, num_heads=heads,
@@ -205,10 +216,12 @@ def _config(hf: dict, tensor_names) -> ModelConfig:
         attn_scale=hf["query_pre_attn_scalar"] ** -0.5 if "query_pre_attn_scalar" in hf else 0.0,
         sliding_window=window if local else 0, local_layers=local,
         local_rope=local_rope if local and local_rope != global_rope else None,
+        sparse_layers=sparse, experts=experts, experts_used=used, expert_size=hf.get("moe_intermediate_size", 0),
+        norm_topk=bool(experts and hf.get("norm_topk_prob")),
     )
 
 
-# each layer's projections, by HF's name, and the module of the layer that holds it
+# each layer's projections, by HF's name, and the module of the layer that holds it (a dense layer's MLP)
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
@@ -226,8 +239,14 @@ def _check_shapes(c: ModelConfig, tensors: dict[str, Tensor]) -> None:
     want = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_embeddings:
         want["lm_head.weight"] = (c.vocab_size, h)
+    shapes = {f"{PROJECTIONS[m]}.{m}.weight": shape for m, shape in projection_shapes(c).items()}
     layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-             **{f"{PROJECTIONS[m]}.{m}.weight": shape for m, shape in projection_shapes(c).items()}}
+             **{k: v for k, v in shapes.items() if k.startswith("self_attn.")}}
+    dense = {k: v for k, v in shapes.items() if k.startswith("mlp.")}
+    e = c.expert_size
+    experts = {"mlp.gate.weight": (c.experts, h)} | {
+        f"mlp.experts.{x}.{m}.weight": shape for x in range(c.experts)
+        for m, shape in (("gate_proj", (e, h)), ("up_proj", (e, h)), ("down_proj", (h, e)))}
     if c.attention_bias:
         layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
     if c.qk_norm:
@@ -235,7 +254,8 @@ def _check_shapes(c: ModelConfig, tensors: dict[str, Tensor]) -> None:
     if c.sandwich_norms:
         layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
     for n in range(c.num_layers):
-        want.update({f"model.layers.{n}.{k}": v for k, v in layer.items()})
+        mlp = experts if n in c.sparse_layers else dense
+        want.update({f"model.layers.{n}.{k}": v for k, v in (layer | mlp).items()})
     for name, shape in want.items():
         if name not in tensors:
             raise ValueError(f"the model has no tensor {name!r} (a {c.family} model of {c.num_layers} layers needs it)")

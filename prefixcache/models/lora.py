@@ -64,6 +64,9 @@ def load(name: str, folder: str, config: ModelConfig, prepare: Callable[[torch.T
         if not 0 <= layer < config.num_layers:
             raise ValueError(f"{where}: layer {layer} of {module}, but the model has {config.num_layers} layers")
         gemm, part = TARGETS[module]
+        if gemm in ("gate_up", "down") and layer in config.sparse_layers:
+            raise ValueError(f"{where}: layer {layer} {module}: the layer's MLP is a mixture of experts, which we do "
+                             "not apply LoRA to yet")
         n, k = projection_shapes(config)[module]
         if a.shape != (rank, k) or b.shape != (n, rank):
             raise ValueError(f"{where}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "

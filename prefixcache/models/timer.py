@@ -14,7 +14,8 @@ def step_ms(model, rows: int, plan: Exactness | None = None, repeats: int = 5) -
     layers = [model.row_ops(i) for i in range(model.config.num_layers)]
     ops = [op for i, layer in enumerate(layers) for op in layer if i == 0 or not op.head]
     size = plan.call_rows(rows) if plan else rows
-    xs = {op.name: torch.randn(rows, op.width).to(model.norm.dtype) for op in layers[0]}
+    widths = {op.name: op.width for op in ops}  # of one name, one width (a layer's MLP may be dense or not)
+    xs = {name: torch.randn(rows, width).to(model.norm.dtype) for name, width in widths.items()}
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -64,7 +64,8 @@ def llama(tmp_path_factory) -> str:
 @pytest.mark.parametrize("config, message", [
     ({"model_type": "gemma3"}, "'gemma3' is not supported yet: it needs a vision tower"),
     ({"model_type": "mixtral"}, "mixture-of-experts"),
-    ({"model_type": "gpt2"}, "unsupported model_type 'gpt2'; supported: llama, mistral, qwen2, qwen3, gemma3_text"),
+    ({"model_type": "gpt2"},
+     "unsupported model_type 'gpt2'; supported: llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
      "rope scaling 'yarn' is not supported yet"),
 ])

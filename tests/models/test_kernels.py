@@ -301,20 +301,21 @@ def _recording(monkeypatch) -> dict[tuple, set[int]]:
     return calls
 
 
-@pytest.mark.parametrize("family", ["tiny_model", "tiny_gemma", "tiny_qwen_window"])
+@pytest.mark.parametrize("family", ["tiny_model", "tiny_gemma", "tiny_qwen_window", "tiny_moe"])
 def test_the_probe_checks_every_call_the_forward_makes_at_every_row_count(family, request, monkeypatch):
     """Whatever the forward calls on our kernels (found by running it, not listed here: a fused GEMM with its norm,
-    activation or residual, a norm, RoPE with the KV store, attention with and without a window, the sampler's
-    logit_stats), the startup probe calls too, with the same kinds of arguments, at every row count of
-    row_counts(the batch limit) (the LM head's: each up to max_head_rows; the sampler's: one row, as it calls)."""
+    activation or residual, a norm, RoPE with the KV store, attention with and without a window, a mixture of
+    experts' router and experts, the sampler's logit_stats), the startup probe calls too, with the same kinds of
+    arguments, at every row count of row_counts(the batch limit) (the LM head's: each up to max_head_rows; the
+    sampler's: one row, as it calls)."""
     llm = LLM(model=request.getfixturevalue(family), enable_prefix_cache=False, max_batch_tokens=80, max_num_seqs=4)
     model = llm.engine.runner.model
     assert model.paged
     forward = _recording(monkeypatch)
     llm.generate([list(range(5, 200)), [7] * 30, [9, 8, 7]], GREEDY)
     monkeypatch.undo()
-    windows = (0, 128) if family != "tiny_model" else (0,)  # global and local layers
-    if family == "tiny_gemma":
+    windows = (0, 128) if family in ("tiny_gemma", "tiny_qwen_window") else (0,)  # global and local layers
+    if family in ("tiny_gemma", "tiny_moe"):  # layers of another form than paged.layers computes
         assert {("attend", (("window", w),)) for w in windows} <= set(forward)
     else:  # plain layers: one op a run
         assert {("layers", (("window", w),)) for w in windows} <= set(forward)
