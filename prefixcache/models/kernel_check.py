@@ -4,16 +4,20 @@ with each, at every row count; the one op equals its ops one by one; paged atten
 batch, items and block placement; every op agrees with float64 (the sampler's logit_stats too, on the model's
 vocabulary); and, for every file and library, that each weight read as shipped (models/quant.py) gives the bits of
 its dequantized values."""
+import dataclasses
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 
 from prefixcache.config import ISAS
 from prefixcache.models import paged
 from prefixcache.models.attention import Queries
-from prefixcache.models.exactness import Target
-from prefixcache.models.rowwise import KernelOps, TorchOps
+from prefixcache.models.exactness import RowOp, Target
+from prefixcache.models.rowwise import KernelOps, Packed, Part, TorchOps
 
 BLOCK = 16  # the probe pool's block size
+PIECE = 4096  # rows of a weight a check dequantizes at once: its memory stays that of a piece, whatever the weight
 SWEEP_KEYS = 320  # keys past a window in the row counts' check of attention: beyond one span of 256 (paged.py)
 
 
@@ -126,21 +130,24 @@ def shipped(model, gen: torch.Generator) -> list[str]:
     """The weights whose blocks as shipped do not give their dequantized values' bits: random rows through each
     weight read as shipped, in every layer, at 1 and 8 rows (dequantized in registers: in whole panels, and on AVX2
     in half panels) and past ops.quant_rows (into scratch), against the same weight dequantized (gguf's reference)
-    into fp32 panels, one weight at a time (the row counts' check is of the first layer; this is of each weight's own
-    data, so its verdict is kept under those bytes: models/probe.py). A tied embedding's rows, which the kernels
-    dequantize from the LM head's panels, are its."""
+    into fp32 panels, a piece of PIECE rows at a time (the row counts' check is of the first layer; this is of each
+    weight's own data, so its verdict is kept under those bytes: models/probe.py). A tied embedding's rows, which the
+    kernels dequantize from the LM head's panels, are its."""
     bad, ops = [], model.ops
     for name, w in model.gemm_weights().items():
         if w.kinds:
             x = torch.randn(ops.quant_rows + 1, w.shape[1], generator=gen)
-            fp32 = ops.dequantized(w)
-            ok = all(torch.equal(ops.linear(r, w), ops.linear(r, fp32)) for r in (x[:1], x[:8], x))
-            if w is model.embed:
-                ids = torch.randint(0, w.shape[0], (64,), generator=gen)
-                ok = ok and torch.equal(w.take(ids, ops.isa), fp32.take(ids, ops.isa))
+            ok = all(torch.equal(ops.linear(r, piece), ops.linear(r, ops.dequantized(piece)))
+                     for piece in w.pieces(PIECE) for r in (x[:1], x[:8], x))
+            if w is model.embed:  # 64 rows against gguf's values of them, a piece at a time
+                ids, at = torch.randint(0, w.shape[0], (64,), generator=gen), 0
+                got = w.take(ids, ops.isa)
+                for piece in w.pieces(PIECE):
+                    mine = (ids >= at) & (ids < at + piece.n)
+                    ok = ok and torch.equal(got[mine], piece.unpack()[ids[mine] - at])
+                    at += piece.n
             if not ok:
                 bad.append(name)
-            del fp32
     return bad
 
 
@@ -188,9 +195,10 @@ class _Float64(TorchOps):
 
 
 def _accuracy(model, gen: torch.Generator) -> list[str]:
-    """Each row-wise call of the forward on 17 random rows against the same call in float64 on torch."""
+    """Each row-wise call of the forward on 17 random rows against the same call in float64 on torch (on a piece of
+    each part of its weight: the reference holds it in float64)."""
     ref_ops, problems = _Float64(), []
-    for op in model.kernel_row_ops():
+    for op in map(_sampled, model.kernel_row_ops()):
         x = torch.randn(17, op.width, generator=gen)
         r = {"residual": torch.randn(17, op.residual, generator=gen)} if op.residual else {}
         args64 = [ref_ops.prepare(a).double() if hasattr(a, "shape") else a for a in op.args]
@@ -199,6 +207,19 @@ def _accuracy(model, gen: torch.Generator) -> list[str]:
         if err > 1e-5:
             problems.append(f"{op.name} off float64 by {err:.1e}")
     return problems
+
+
+def _sampled(op: RowOp) -> RowOp:
+    """The op on the first PIECE rows of each part of its weight (and of its bias), its residual as wide."""
+    w = next((a for a in op.args if isinstance(a, Packed)), None)
+    if w is None or max(w.rows) <= PIECE:
+        return op
+    starts = [0, *accumulate(w.rows)][:-1]
+    rows = torch.cat([torch.arange(at, at + min(n, PIECE)) for at, n in zip(starts, w.rows)])
+    sample = Packed([Part(p.kind, p.data[:PIECE // 16], min(p.n, PIECE)) for p in w.parts], w.k)
+    args = tuple(sample if a is w else a[rows] if isinstance(a, torch.Tensor) and a.shape == (w.n,) else a
+                 for a in op.args)
+    return dataclasses.replace(op, args=args, residual=sample.n if op.residual else 0)
 
 
 def _logit_stats(model, gen: torch.Generator) -> list[str]:

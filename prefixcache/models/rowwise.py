@@ -76,6 +76,13 @@ class Packed:
     def unpack(self) -> torch.Tensor:
         return torch.cat([p.values for p in self.parts])
 
+    def pieces(self, rows: int) -> list["Packed"]:
+        """The weight by pieces of at most `rows` rows (a multiple of 16), each of one part, as views of its panels:
+        what a check dequantizes a piece at a time (the LM head of a 150k-token vocabulary is 1.2 GB in fp32)."""
+        assert rows % 16 == 0, "whole panels"
+        return [Packed([Part(p.kind, p.data[at // 16:(at + rows) // 16], min(rows, p.n - at))], self.k)
+                for p in self.parts for at in range(0, p.n, rows)]
+
     def take(self, ids: torch.Tensor, isa: int) -> torch.Tensor:
         """The fp32 values of rows `ids` [len(ids), k] (a tied embedding's), dequantized by the kernels from their
         panels alone: the bits of unpack()[ids], since a row's values depend on its own blocks alone."""

@@ -99,6 +99,12 @@ def test_weights_stacked_by_rows_in_parts_of_mixed_kinds():
         assert not fp32.kinds and torch.equal(fp32.unpack(), packed.unpack())
         with pytest.raises(AssertionError, match="multiple of 16"):
             ops.prepare([_blocks("Q4_K", 40, k, 6), _blocks("Q6_K", 16, k, 7)])
+        pieces = packed.pieces(32)  # what the start-up checks dequantize at once: views of one part's panels
+        assert [(p.parts[0].kind, p.n) for p in pieces] == [("Q4_K", 32), ("Q4_K", 32), ("Q4_K", 32), ("Q6_K", 32),
+                                                             ("F32", 16), ("Q8_0", 32), ("Q8_0", 5)]
+        assert torch.equal(torch.cat([p.unpack() for p in pieces]), packed.unpack())
+        assert all(p.data[0].untyped_storage().data_ptr() in {d.untyped_storage().data_ptr() for d in packed.data}
+                   for p in pieces)
 
 
 @needs_kernels
@@ -213,6 +219,22 @@ def test_dequantize_is_ggufs():
     assert b.shape == (3, 512) and Blocks("F16", torch.zeros(2, 6, dtype=torch.float16)).shape == (2, 6)
 
 
+def _misread(monkeypatch, part: Part, at: tuple[int, int, int]) -> torch.Tensor:
+    """A kernel misreading a weight, simulated: a bit of its blocks changed at `at`, their reference values (of the
+    part, or of a piece of it the check takes) not. Returns the blocks as they were."""
+    original = part.data.clone()
+    part.data[at] ^= 1
+    values = Part.values.fget
+
+    def reference(p: Part) -> torch.Tensor:
+        if p.data.untyped_storage().data_ptr() != part.data.untyped_storage().data_ptr():
+            return values(p)
+        first = (p.data.data_ptr() - part.data.data_ptr()) // part.data[0].nbytes  # the piece's first panel
+        return values(dataclasses.replace(p, data=original[first:first + len(p.data)]))
+    monkeypatch.setattr(Part, "values", property(reference))
+    return original
+
+
 @needs_kernels
 def test_weights_whose_blocks_differ_from_their_values_are_read_as_fp32(monkeypatch, caplog):
     """A kernel misreading layer 17's down_proj (simulated: its blocks changed by a bit, their reference values
@@ -222,11 +244,7 @@ def test_weights_whose_blocks_differ_from_their_values_are_read_as_fp32(monkeypa
     model = llm.engine.runner.model
     assert "weights read as shipped (Q4_1/Q8_0" in llm.exactness.kernels and "fp32 panels" not in llm.exactness.kernels
     part = model.layers[17]["down"].parts[0]
-    original = part.data.clone()
-    part.data[3, 5, 100] ^= 1
-    values = Part.values.fget
-    monkeypatch.setattr(Part, "values", property(
-        lambda p: values(dataclasses.replace(p, data=original) if p is part else p)))
+    original = _misread(monkeypatch, part, (3, 5, 100))
     status = probe._shipped_reads(model)
     assert "as fp32, for their blocks differ from their values: down of layer 17" in status
     assert "not read" not in status and "read as fp32" in caplog.text
@@ -244,12 +262,7 @@ def test_a_tied_lm_head_whose_blocks_differ_is_read_as_fp32_by_the_embedding_too
     llm = LLM(enable_prefix_cache=False)
     model = llm.engine.runner.model
     assert model.embed is model.lm_head and model.lm_head.kinds == ["Q8_0"]
-    part = model.lm_head.parts[0]
-    original = part.data.clone()
-    part.data[0, 3, 40] ^= 1  # a weight of token 0..15's rows
-    values = Part.values.fget
-    monkeypatch.setattr(Part, "values", property(
-        lambda p: values(dataclasses.replace(p, data=original) if p is part else p)))
+    _misread(monkeypatch, model.lm_head.parts[0], (0, 3, 40))  # a weight of token 0..15's rows
     assert "as fp32, for their blocks differ from their values: lm_head" in probe._shipped_reads(model)
     assert model.embed is model.lm_head and not model.lm_head.kinds
     prompt = [[1, 2, 3, 4, 15]]
