@@ -2,8 +2,10 @@
 blocks the file stores, for our kernels to read; F32 ones as tensors), and its tokenizer. Nothing is converted;
 what takes seconds to read (the metadata, the tokenizer) is kept once in the user cache, under the file's digest."""
 import json
+import mmap
 import os
 import shutil
+from typing import Callable
 
 import numpy as np
 import torch
@@ -25,14 +27,20 @@ EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exp
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.x's RoPE scaling, as llama.cpp's converter writes it
 
 
-def read(path: str) -> tuple[dict, dict[str, torch.Tensor | Blocks], object, str]:
-    """(HF config, tensors by HF name, tokenizer, the file's digest)."""
+def read(path: str) -> tuple[dict, dict[str, torch.Tensor | Blocks], object, str, Callable[[], None]]:
+    """(HF config, tensors by HF name, tokenizer, the file's digest, release). Weights as shipped are views of the
+    file mapped copy-on-write (never written), not copies: laying them out for the kernels is the one copy, and
+    release() drops the pages read so far from the process's memory (a later read maps them again), so loading peaks
+    near the laid-out size rather than twice the file's."""
     digest = file_digest(path)
     fields, table = _index(path, digest)
     family = by_gguf_arch(fields.get("general.architecture"))
     tokenizer = read_tokenizer(path, digest)
-    tensors = dict(_tensors(np.memmap(path, mode="r"), table, fields, family))
-    return _hf_config(fields, family, tensors, tokenizer), tensors, tokenizer, digest
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    tensors = dict(_tensors(np.frombuffer(mapped, dtype=np.uint8), table, fields, family))
+    return (_hf_config(fields, family, tensors, tokenizer), tensors, tokenizer, digest,
+            lambda: mapped.madvise(mmap.MADV_DONTNEED))
 
 
 def file_digest(path: str) -> str:
@@ -110,7 +118,7 @@ def _index(path: str, digest: str) -> tuple[dict, list[dict]]:
     return fields, table
 
 
-def _tensors(file: np.memmap, table: list[dict], fields: dict, family: Family):
+def _tensors(file: np.ndarray, table: list[dict], fields: dict, family: Family):
     """(HF name, tensor or Blocks) for each tensor, rows in HF order; the RoPE factors under their GGUF name."""
     arch = family.gguf_arch
     heads = fields[f"{arch}.attention.head_count"]
@@ -142,14 +150,14 @@ def _tensors(file: np.memmap, table: list[dict], fields: dict, family: Family):
             if family.norm_offset and name.endswith("norm.weight"):
                 data -= 1  # llama.cpp stores Gemma's 1 + w; HF's w (transformers reads such a GGUF so too)
         elif kind in KINDS:
-            data = np.array(values)  # [rows, bytes of a row's blocks] (float16 values, for F16)
+            data = values  # [rows, bytes of a row's blocks] (float16 values, for F16): the file's bytes
         else:
             raise ValueError(f"GGUF tensor {t['name']!r} is of type {kind}, which we cannot read yet; supported: "
                              f"F32, {', '.join(KINDS)}")
         if family.gguf_permuted_qk and parts[-2] in ("attn_q", "attn_k"):
             data = _unpermute(data, heads if parts[-2] == "attn_q" else kv_heads)
         data = torch.from_numpy(np.ascontiguousarray(data))
-        if stacked:  # each expert's slice a view of the one copy read
+        if stacked:  # each expert's slice a view of the file
             for e, one in enumerate(data):
                 yield f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERTS[parts[2]]}.{parts[3]}", \
                     one if kind == "F32" else Blocks(kind, one)

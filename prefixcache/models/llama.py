@@ -39,18 +39,19 @@ class Llama:
         w = weights.tensors  # a quantized weight as the file ships it (Blocks)
         self.tile = tile
         self.ops = ops
-        self.lm_head = ops.prepare(w["model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"])
+
+        def linear(*names: str):  # weights stacked by rows; the file's pages read for them dropped once laid out
+            packed = ops.prepare([w[n] for n in names])
+            weights.release()
+            return packed
+        self.lm_head = linear("model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight")
         # a tied table is kept once: the embedding reads its rows from the LM head's panels
         tied = c.tie_embeddings and isinstance(self.lm_head, Packed)
         self.embed = self.lm_head if tied else w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.layers = []
-
-        def linear(*names: str):  # weights stacked by rows
-            return ops.prepare([w[n] for n in names])
         for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             bias = torch.cat([w[a + n + "_proj.bias"] for n in "qkv"]) if c.attention_bias else None
             self.layers.append(dict(
                 ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import xxhash
@@ -54,6 +55,7 @@ class Weights:
     tokenizer: object  # transformers PreTrainedTokenizerFast
     fingerprint: str
     name: str
+    release: Callable[[], None] = lambda: None  # drop the file's pages read so far from memory (gguf_file.read)
 
 
 def load(path: str, dtype: torch.dtype = torch.float32, quantized: bool = True) -> Weights:
@@ -61,11 +63,12 @@ def load(path: str, dtype: torch.dtype = torch.float32, quantized: bool = True) 
     weights stay as shipped; otherwise every weight is dequantized to `dtype`."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path}")
+    release = Weights.release
     if os.path.isdir(path):
         hf, tensors, tokenizer = _hf_config(path), _safetensors(path), _folder_tokenizer(path)
         digest = _digest(os.path.join(path, f) for f in _safetensor_files(path))
     elif path.endswith(".gguf"):
-        hf, tensors, tokenizer, digest = gguf_file.read(path)
+        hf, tensors, tokenizer, digest, release = gguf_file.read(path)
     else:
         raise ValueError(f"unsupported model path {path!r}: expected a .gguf file or an HF safetensors folder")
     config = _with_eos(_config(hf, tensors), tokenizer)
@@ -79,7 +82,7 @@ def load(path: str, dtype: torch.dtype = torch.float32, quantized: bool = True) 
     else:
         tensors = {k: _dense(v).to(dtype).contiguous() for k, v in tensors.items()}
     name = os.path.basename(path.rstrip("/")).removesuffix(".gguf")
-    return Weights(config, tensors, tokenizer, fingerprint(config, dtype, digest), name)
+    return Weights(config, tensors, tokenizer, fingerprint(config, dtype, digest), name, release)
 
 
 def tokenizer(path: str):
@@ -112,7 +115,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     """Write an HF folder (config.json, model.safetensors, tokenizer) with the GGUF's weights dequantized to fp32."""
     from safetensors.torch import save_file
 
-    hf, tensors, tok, _ = gguf_file.read(gguf_path)
+    hf, tensors, tok, *_ = gguf_file.read(gguf_path)
     if gguf_file.ROPE_FACTORS in tensors:
         raise ValueError(f"{gguf_path}: its RoPE factors ({gguf_file.ROPE_FACTORS}) have no HF config form")
     tmp = f"{out_dir}.tmp{os.getpid()}"

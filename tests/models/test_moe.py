@@ -104,7 +104,7 @@ def test_warm_chunked_batched_equal_cold_on_both_paths(tiny_moe):
 def test_a_ggufs_experts_are_views_of_one_copy_and_give_the_safetensors_bits(tiny_moe, tmp_path):
     """llama.cpp's stacked ffn_*_exps: each expert a view of the tensor read (blocks as shipped, for a quantized
     file); an fp32 file gives the safetensors folder's logits, bit for bit."""
-    _, tensors, _, _ = gguf_file.read(write_gguf(tiny_moe, str(tmp_path / "q8.gguf"), lambda _: "Q8_0"))
+    _, tensors, *_ = gguf_file.read(write_gguf(tiny_moe, str(tmp_path / "q8.gguf"), lambda _: "Q8_0"))
     views = [tensors[f"model.layers.2.mlp.experts.{e}.down_proj.weight"] for e in range(EXPERTS)]
     assert {v.kind for v in views} == {"Q8_0"} and len({v.rows.untyped_storage().data_ptr() for v in views}) == 1
     path = write_gguf(tiny_moe, str(tmp_path / "f32.gguf"), lambda _: "F32")
