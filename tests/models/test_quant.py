@@ -22,7 +22,10 @@ BUILDS = [KernelOps(isa) for isa in kernels.ISAS if isa in kernels.supported()]
 needs_kernels = pytest.mark.skipif(not AVAILABLE, reason=f"kernels: {kernels.choose('auto').status}")
 LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 HALVES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82], "Q3_K": [108],
-          "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}  # each block's fp16 scales
+          "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": []}  # each block's
+# fp16 scales. MXFP4's is a byte e first, 2^(e - 128): random below this, the subnormals of e = 0 and 1 included,
+# keep a GEMM's sums finite (every e: test_every_e8m0_scale_gives_ggufs_values)
+E8M0_FINITE = 135
 # laid-out bytes over the file's, n a multiple of 16: the K-quants' 6-bit scales unpacked to a byte each
 RATIO = {kind: 1.0 for kind in KINDS} | {"Q3_K": 1824 / 1760, "Q4_K": 2368 / 2304, "Q5_K": 2880 / 2816,
                                          "IQ4_XS": 2208 / 2176}
@@ -42,6 +45,8 @@ def _blocks(kind: str, n: int, k: int, seed: int, quantized: bool = False) -> Bl
     for at in HALVES[kind]:
         scale = torch.randn(n, k // block, 1, generator=g) * 0.01
         raw[..., at:at + 2] = scale.half().view(torch.uint8)
+    if kind == "MXFP4":
+        raw[..., 0] = torch.randint(0, E8M0_FINITE, (n, k // block), dtype=torch.uint8, generator=g)
     return Blocks(kind, raw.view(n, -1))
 
 
@@ -81,6 +86,33 @@ def test_blocks_as_shipped_give_the_bits_of_their_dequantized_values(kind):
             x = torch.randn(9, k)
             assert torch.equal(BUILDS[-1].linear(x, BUILDS[-1].prepare(blocks)),
                                BUILDS[0].linear(x, BUILDS[0].prepare(blocks)))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bit patterns, every NaN's as one (a NaN's payload is not the arithmetic's)."""
+    return torch.where(t.isnan(), 0x7FC00000, t.view(torch.int32))
+
+
+@needs_kernels
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_every_e8m0_scale_gives_ggufs_values():
+    """MXFP4: a block's E8M0 byte e scales its E2M1 codes by 2^(e - 128), in halves, as gguf and llama.cpp decode
+    them. For every e (0 and 1 subnormal; 254 and 255 overflow to inf at the larger codes) and every code in either
+    nibble, on every build, the kernels' weights are gguf's bits, and their GEMMs at every row count give those over
+    gguf's values (NaN where those give NaN)."""
+    e, codes = torch.arange(256, dtype=torch.uint8)[:, None], torch.arange(16, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(3)
+    every = (codes | codes.flip(0) << 4).expand(256, 16)  # each code in a low nibble and in a high one
+    rand = torch.randint(0, 256, (256, 16), dtype=torch.uint8, generator=g)
+    blocks = Blocks("MXFP4", torch.cat([e, every, e, rand], 1))  # a row's two blocks of one e
+    values = dequantize(blocks)
+    assert values.isinf().any() and (values.abs() == 2.0 ** -128).any()
+    x = torch.randn(64, 64, generator=g)
+    for ops in BUILDS:
+        packed, fp32 = ops.prepare(blocks), ops.prepare(values)
+        assert torch.equal(_bits(packed.take(torch.arange(256), ops.isa)), _bits(values))
+        for m in [*range(1, 18), 64]:
+            assert torch.equal(_bits(ops.linear(x[:m], packed)), _bits(ops.linear(x[:m], fp32))), m
 
 
 @needs_kernels

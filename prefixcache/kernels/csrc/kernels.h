@@ -48,7 +48,8 @@ struct Kind {
 constexpr Kind KINDS[] = {{"F32", 1, 64},       {"F16", 2, 64},       {"BF16", 2, 64},      {"Q4_0", 32, 288},
                           {"Q4_1", 32, 320},    {"Q5_0", 32, 352},    {"Q5_1", 32, 384},    {"Q8_0", 32, 544},
                           {"Q2_K", 256, 1344},  {"Q3_K", 256, 1824},  {"Q4_K", 256, 2368},  {"Q5_K", 256, 2880},
-                          {"Q6_K", 256, 3360},  {"IQ4_NL", 32, 288},  {"IQ4_XS", 256, 2208}};
+                          {"Q6_K", 256, 3360},  {"IQ4_NL", 32, 288},  {"IQ4_XS", 256, 2208},
+                          {"MXFP4", 32, 272}};
 constexpr int NUM_KINDS = sizeof(KINDS) / sizeof(KINDS[0]);
 
 // One part of a GEMM's weight, rows stacked by parts: y[:, its columns] = x @ part.T (+ bias) (+ residual)

@@ -37,6 +37,7 @@ constexpr Spec SPECS[NUM_KINDS] = {
     {256, 210, 3, {HALF, 8, 6}, {1, 16, 256}},                       // Q6_K
     {32, 18, 2, {HALF, 4}, {1, 32}},                                 // IQ4_NL
     {256, 136, 3, {HALF, 8, 4}, {1, 8, 256}},                        // IQ4_XS
+    {32, 17, 2, {8, 4}, {1, 32}},                                    // MXFP4
 };
 
 constexpr int laid_bytes(const Spec& s) {
@@ -142,6 +143,10 @@ void split(int kind, const uint8_t* b, Values& v) {
       planes(b + 8, 128, 16, 4, v[2]);
       return;
     }
+    case 15:  // MXFP4: e (E8M0) qs[16], the nibbles as Q4_0's
+      v[0][0] = b[0];
+      planes(b + 1, 16, 16, 4, v[1]);
+      return;
   }
 }
 

@@ -47,6 +47,15 @@ struct V16 {
   // 16 bytes, each unsigned or signed, as floats (exact)
   static V16 from_u8(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
   static V16 from_i8(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))}; }
+  // 16 E8M0 bytes e as 2^(e - 128), a bit pattern each (exact): gguf's MXFP4.e8m0_to_fp32_half, llama.cpp's
+  // ggml_e8m0_to_fp32_half, whose e = 0 and 1 give subnormals
+  static V16 from_e8m0_half(__m128i b) {
+    const __m512i e = _mm512_cvtepu8_epi32(b);
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 is_normal = _mm512_cmpge_epu32_mask(e, _mm512_set1_epi32(2));
+    return {_mm512_castsi512_ps(_mm512_mask_blend_epi32(is_normal, sub, normal))};
+  }
   // the low nibbles of 16 bytes at p less `minus`, and 16 times their high nibbles less `minus`, as floats (exact):
   // the bytes widened once as they load, then masked (a mask, not a shift: on AVX2 a shift takes a port the fmas
   // need, a mask any of three)
@@ -138,6 +147,13 @@ struct V16 {
   static V16 from_i8(__m128i b) {
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
   }
+  static V16 from_e8m0_half(__m128i b) { return {e8m0_half(b), e8m0_half(_mm_srli_si128(b, 8))}; }
+  static __m256 e8m0_half(__m128i b) {  // the first 8 bytes, as AVX-512's from_e8m0_half
+    const __m256i e = _mm256_cvtepu8_epi32(b);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+  }
   static void nibbles(const uint8_t* p, int minus, V16& lo, V16& hi16) {
     const __m256i w0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
     const __m256i w1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
@@ -181,6 +197,7 @@ struct V8 {
   static __m128i half(__m128i b) { return H ? _mm_srli_si128(b, 8) : b; }
   static V8 from_u8(__m128i b) { return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half(b)))}; }
   static V8 from_i8(__m128i b) { return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half(b)))}; }
+  static V8 from_e8m0_half(__m128i b) { return {V16::e8m0_half(half(b))}; }
   static void nibbles(const uint8_t* p, int minus, V8& lo, V8& hi16) {
     const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * H)));
     lo = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, _mm256_set1_epi32(15)), _mm256_set1_epi32(minus)))};
