@@ -96,6 +96,17 @@ def generate_with_logits(llm, prompts, params=GREEDY, **kwargs):
     return outs, [torch.stack(seen[o.request_id]) for o in outs]
 
 
+def warm_and_cold(model: str, prompts: list[list[int]], kernels: str):
+    """The prompts' greedy logits each run cold alone, and all run warm (the first one cached before) in chunks of 96
+    tokens, batched: (the warm outputs, the cold logits, the warm logits, whether the warm engine runs our kernels)."""
+    cold = LLM(model=model, enable_prefix_cache=False, kernels=kernels)
+    warm = LLM(model=model, max_batch_tokens=96, kernels=kernels)
+    warm.generate(prompts[:1], GREEDY)
+    singles = [generate_with_logits(cold, [p], GREEDY)[1][0] for p in prompts]
+    outs, together = generate_with_logits(warm, prompts, GREEDY)
+    return outs, singles, together, warm.engine.runner.model.paged
+
+
 # `make reliability` runs the reliability checks in their long form and collects each one's figures (issue 14).
 LONG = os.environ.get("PREFIXCACHE_LONG") == "1"
 _FIGURES: dict[str, dict] = {}

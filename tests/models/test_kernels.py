@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import GREEDY, generate_with_logits
+from conftest import GREEDY, generate_with_logits, warm_and_cold
 from family_models import family_model
 
 from prefixcache import LLM, kernels
@@ -212,12 +212,8 @@ def test_warm_chunked_batched_equal_cold_on_both_paths(tiny_model):
     """The same greedy logits with the kernels and with the torch path forced (each against its own cold run)."""
     prompts = [list(range(4000, 4300)), list(range(4000, 4200)) + [5, 6], [7, 8, 9]]
     for kernels_choice in ("auto", "off"):
-        cold = LLM(model=tiny_model, enable_prefix_cache=False, kernels=kernels_choice)
-        warm = LLM(model=tiny_model, max_batch_tokens=96, kernels=kernels_choice)
-        assert warm.engine.runner.model.paged == (kernels_choice == "auto")
-        warm.generate(prompts[:1], GREEDY)
-        singles = [generate_with_logits(cold, [p], GREEDY)[1][0] for p in prompts]
-        outs, together = generate_with_logits(warm, prompts, GREEDY)
+        outs, singles, together, paged = warm_and_cold(tiny_model, prompts, kernels_choice)
+        assert paged == (kernels_choice == "auto")
         assert outs[1].cached_tokens == 200 and all(torch.equal(a, b) for a, b in zip(singles, together))
 
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import generate_with_logits
+from conftest import generate_with_logits, warm_and_cold
 from gguf_fixtures import write_gguf
 from lora_adapters import write_adapter
 from safetensors.torch import load_file, save_file
@@ -92,12 +92,8 @@ def test_warm_chunked_batched_equal_cold_on_both_paths(tiny_moe):
     cold run alone, with the kernels and on the torch path (its calls padded to the row counts the probe verified)."""
     prompts = [list(range(4000, 4300)), list(range(4000, 4200)) + [5, 6], [7, 8, 9]]
     for choice in ("auto", "off"):
-        cold = LLM(model=tiny_moe, enable_prefix_cache=False, kernels=choice)
-        warm = LLM(model=tiny_moe, max_batch_tokens=96, kernels=choice)
-        assert warm.engine.runner.model.paged == (choice == "auto" and bool(AVAILABLE))
-        warm.generate(prompts[:1], GREEDY)
-        singles = [generate_with_logits(cold, [p], GREEDY)[1][0] for p in prompts]
-        outs, together = generate_with_logits(warm, prompts, GREEDY)
+        outs, singles, together, paged = warm_and_cold(tiny_moe, prompts, choice)
+        assert paged == (choice == "auto" and bool(AVAILABLE))
         assert outs[1].cached_tokens == 200 and all(torch.equal(a, b) for a, b in zip(singles, together)), choice
 
 

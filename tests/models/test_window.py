@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import GREEDY, generate_with_logits
+from conftest import GREEDY, generate_with_logits, warm_and_cold
 
 from prefixcache import LLM, CacheScope, SamplingParams, kernels
 from prefixcache.engine.memory_shares import heaviest
@@ -91,12 +91,8 @@ def test_warm_chunked_batched_equal_cold_across_windows(tiny_gemma):
     chunks of 96 that cross the windows' edges, all batched: each request's logits equal its cold run's alone."""
     prompts = [list(range(3000, 3350)), list(range(3000, 3208)) + [5, 6], list(range(3000, 3128)) + [7], [9, 10]]
     for kernels_choice in ("auto", "off"):
-        cold = LLM(model=tiny_gemma, enable_prefix_cache=False, kernels=kernels_choice)
-        warm = LLM(model=tiny_gemma, max_batch_tokens=96, kernels=kernels_choice)
-        assert warm.engine.runner.model.paged == (kernels_choice == "auto" and bool(BUILDS))
-        warm.generate(prompts[:1], GREEDY)
-        singles = [generate_with_logits(cold, [p], GREEDY)[1][0] for p in prompts]
-        outs, together = generate_with_logits(warm, prompts, GREEDY)
+        outs, singles, together, paged = warm_and_cold(tiny_gemma, prompts, kernels_choice)
+        assert paged == (kernels_choice == "auto" and bool(BUILDS))
         assert [o.cached_tokens for o in outs[1:3]] == [208, 128]
         assert all(torch.equal(a, b) for a, b in zip(singles, together)), kernels_choice
 
