@@ -1,10 +1,11 @@
-"""A guide new to its scope is compiled first in a worker process, under limits of CPU time and of memory
-(COMPILE_SECONDS, COMPILE_BYTES): a compile past either is stopped with its process, and the request refused (a 400),
-where a compile on the grammar thread could be neither stopped nor bounded. Only a guide that passed is compiled
-again on the grammar thread (engine/grammar.py): xgrammar's compile is deterministic, so it takes as long there, or
-less with the scope's cache. Handing the trial's grammar back would cost more than compiling it twice: a 300-field
-schema compiles in 0.12 s, and its grammar serializes to 30 MB in 1.3 s and reads back in 0.45 s."""
+"""A guide new to its scope is compiled first in a worker process, under limits of CPU time, of wall time and of memory
+(COMPILE_SECONDS, COMPILE_WALL, COMPILE_BYTES): a compile past any is stopped with its process, and the request
+refused (a 400), where a compile on the grammar thread could be neither stopped nor bounded. Only a guide that passed
+is compiled again on the grammar thread (engine/grammar.py): xgrammar's compile is deterministic, so it takes as long
+there, or less with the scope's cache. Handing the trial's grammar back would cost more than compiling it twice: a
+300-field schema compiles in 0.12 s, and its grammar serializes to 30 MB in 1.3 s and reads back in 0.45 s."""
 import os
+import select
 import struct
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import xgrammar as xgr
 from prefixcache.engine.guide import Guide
 
 COMPILE_SECONDS = 30.0  # CPU seconds a guide may take to compile (a 300-field schema: about 0.1)
+COMPILE_WALL = 60.0  # seconds the grammar thread waits for a trial's answer: at nice 10 on a busy machine the CPU
+# limit alone let one guide hold the thread, and every tenant's guides behind it, for minutes
 COMPILE_BYTES = 1 << 30  # memory a compile may take over the worker's own (the 300-field schema's grammar: 22 MB)
 WATCH = 0.01  # seconds between the worker's looks at its own CPU time and memory
 NICE = 10  # the worker's niceness: it compiles on the cycles the engine leaves, as the grammar thread does
@@ -26,9 +29,10 @@ class Trial:
     """The worker process (`python -m` this module, so it imports nothing of the caller's), started on the first
     guide and again after one past the limits stopped it. Called from the grammar thread only, one guide at a time."""
 
-    def __init__(self, info: xgr.TokenizerInfo, seconds: float = COMPILE_SECONDS, memory: int = COMPILE_BYTES):
+    def __init__(self, info: xgr.TokenizerInfo, seconds: float = COMPILE_SECONDS, memory: int = COMPILE_BYTES,
+                 wall: float = COMPILE_WALL):
         self.info = info.serialize_json().encode()
-        self.seconds, self.memory = seconds, memory
+        self.seconds, self.memory, self.wall = seconds, memory, wall
         self.worker: subprocess.Popen | None = None
 
     def check(self, guide: Guide) -> None:
@@ -39,11 +43,13 @@ class Trial:
             _send(self.worker.stdin, self.info)
         try:
             _send(self.worker.stdin, f"{guide.kind}\n{guide.spec}".encode())
+            if not select.select([self.worker.stdout], [], [], self.wall)[0]:
+                raise EOFError  # no answer in time: stopped like a compile past a limit
             error = _receive(self.worker.stdout)
         except (BrokenPipeError, EOFError):  # the worker stopped itself (or was killed): the next guide gets a new one
             self.close()
-            raise ValueError(f"the {guide.kind} guide takes more than {self.seconds:g} CPU seconds or "
-                             f"{self.memory >> 20} MiB to compile") from None
+            raise ValueError(f"the {guide.kind} guide takes more than {self.seconds:g} CPU seconds, "
+                             f"{self.wall:g} seconds or {self.memory >> 20} MiB to compile") from None
         if error:
             raise ValueError(error.decode())
 

@@ -2,6 +2,8 @@
 past them is stopped with its process and refused, and the next guide compiles in a new one. The guide past them is
 a choice of 100,000 strings (1 MB): about 10 CPU seconds and 250 MB to compile, many times either limit set here."""
 import json
+import os
+import signal
 
 import pytest
 import xgrammar as xgr
@@ -38,6 +40,22 @@ def test_a_compile_past_a_limit_is_stopped_and_refused_and_the_next_compiles(inf
             trial.check(HUGE)
         assert first.poll() is not None  # stopped, not left running
         trial.check(SMALL)  # in a new worker
+    finally:
+        trial.close()
+
+
+def test_a_trial_that_does_not_answer_in_its_wall_time_is_stopped_and_refused(info):
+    """A worker that gets no CPU (stopped here; a busy machine at its niceness, in life) holds the grammar thread no
+    longer than the wall limit: its guide is refused, the worker killed, and the next guide compiles in a new one."""
+    trial = Trial(info, wall=0.5)
+    try:
+        trial.check(SMALL)
+        stopped = trial.worker
+        os.kill(stopped.pid, signal.SIGSTOP)
+        with pytest.raises(ValueError, match="0.5 seconds"):
+            trial.check(SMALL)
+        assert stopped.poll() is not None
+        trial.check(SMALL)
     finally:
         trial.close()
 
