@@ -105,6 +105,21 @@ def test_rms_norm_and_swiglu_match_float64_and_every_row_count():
         assert torch.equal(norm, BUILDS[0].rms_norm(x, w, 1e-5)) and torch.equal(act, BUILDS[0].swiglu(gu))
 
 
+def test_gpt_oss_clamped_swiglu_matches_float64_every_row_count_and_build():
+    """(clamp(up, -7, 7) + 1) * g sigmoid(1.702 g), g = min(gate, 7), as HF's GptOssExperts._apply_gate; gates and
+    ups of 4 sigma reach the clamp."""
+    gu = 4 * torch.randn(33, 2 * 80, generator=torch.Generator().manual_seed(2))
+    gate, up = gu.double().chunk(2, dim=-1)
+    assert (gate > 7).any() and (up.abs() > 7).any()
+    gate = gate.clamp(max=7.0)
+    ref = (up.clamp(-7.0, 7.0) + 1) * gate * torch.sigmoid(1.702 * gate)
+    for ops in BUILDS:
+        act = ops.clamp_glu(gu, 1.702, 7.0)
+        assert _rel_err(act, ref, ref.abs() + 1e-3) < 1e-6
+        assert all(torch.equal(ops.clamp_glu(gu[3:3 + m], 1.702, 7.0), act[3:3 + m]) for m in (1, 2, 17))
+        assert torch.equal(act, BUILDS[0].clamp_glu(gu, 1.702, 7.0))
+
+
 def test_logit_stats_match_float64_every_row_count_and_build():
     """A row's max, the first index of it and log(sum(e^(x - max))), over vocabularies of 49,152 (SmolLM2) and 37
     (a partial vector): within fp32 rounding of float64, the same bits alone as in any batch and in both builds; a
@@ -139,18 +154,21 @@ def _pool(keys: int, kv_heads: int, d: int, g: torch.Generator, bs: int = 16):
     return k, v, (1 + torch.randperm(blocks, generator=g)).tolist()
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("heads, kv_heads, d, keys", [(9, 3, 64, 513), (4, 2, 16, 40), (32, 8, 128, 1100)])
-def test_paged_attention_matches_float64(heads, kv_heads, d, keys):
+def test_paged_attention_matches_float64(heads, kv_heads, d, keys, sinks):
+    """With gpt-oss's sinks too: a logit per head in the softmax's denominator (HF's eager_attention_forward)."""
     g = torch.Generator().manual_seed(keys)
     k, v, table = _pool(keys, kv_heads, d, g)
     pos = [0, 1, 15, 16, 17, keys // 2, keys - 2, keys - 1]
     q = torch.randn(len(pos), heads, d, generator=g)
+    s = 2 * torch.randn(heads, generator=g) if sinks else None
     p = paged.plan([Queries(0, pos, keys, table)], len(pos), 16)
     for ops in BUILDS:
-        out = paged.attend(q, *paged.laid_out(k, v), p, ops.isa)
+        out = paged.attend(q, *paged.laid_out(k, v), p, ops.isa, None, s)
         for i, n in enumerate(pos):
             slots = torch.tensor([table[j // 16] * 16 + j % 16 for j in range(n + 1)])
-            ref = attention64(q[i], k[slots], v[slots])
+            ref = attention64(q[i], k[slots], v[slots], s)
             assert ((out[i].double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (ops.name, n)
 
 
@@ -173,30 +191,33 @@ def test_rope_store_is_rope_then_store(heads, kv_heads, d):
         assert torch.equal(out, _rope(q, cos, sin)) and torch.equal(kp, k_ref) and torch.equal(vp, v_ref), ops.name
 
 
-def test_paged_attention_rows_do_not_depend_on_batch_chunking_placement_threads_or_build():
+@pytest.mark.parametrize("sinks", [False, True])
+def test_paged_attention_rows_do_not_depend_on_batch_chunking_placement_threads_or_build(sinks):
     """40 prompt tokens of one sequence and the decode tokens of 3 sequences sharing its blocks: each row's bits
     equal its own call's (whose 3 units are fewer than 2 a thread: its spans run apart, then fold), with the blocks
-    moved, in chunks, in any build."""
+    moved, in chunks, in any build; with gpt-oss's sinks too."""
     g = torch.Generator().manual_seed(7)
     heads, kvh, d, keys = 9, 3, 64, 700
     k, v, table = _pool(keys, kvh, d, g)
     pos = list(range(keys - 40, keys))
     q = torch.randn(43, heads, d, generator=g)
+    s = torch.randn(heads, generator=g) if sinks else None
     groups = [Queries(0, pos, keys, table)] + [Queries(40 + i, [keys - 1 - i], keys - i, table) for i in range(3)]
     kp, vp = paged.laid_out(k, v)
-    ref = paged.attend(q, kp, vp, paged.plan(groups, 43, 16), BUILDS[0].isa)
+    ref = paged.attend(q, kp, vp, paged.plan(groups, 43, 16), BUILDS[0].isa, None, s)
     threads = torch.get_num_threads()
     try:
         for t in (1, 2, 3):
             torch.set_num_threads(t)
             alone = torch.cat([paged.attend(q[i:i + 1], kp, vp, paged.plan([Queries(0, [p], p + 1, table)], 1, 16),
-                                            BUILDS[0].isa) for i, p in enumerate(pos + [keys - 1, keys - 2, keys - 3])])
+                                            BUILDS[0].isa, None, s)
+                               for i, p in enumerate(pos + [keys - 1, keys - 2, keys - 3])])
             assert torch.equal(ref, alone), t
     finally:
         torch.set_num_threads(threads)
     k2, v2, moved = paged.moved(k, v, table, g)
     chunks = [Queries(0, pos[:7], keys - 33, moved), Queries(7, pos[7:], keys, moved)]
-    out = paged.attend(q[:40], *paged.laid_out(k2, v2), paged.plan(chunks, 40, 16), BUILDS[-1].isa)
+    out = paged.attend(q[:40], *paged.laid_out(k2, v2), paged.plan(chunks, 40, 16), BUILDS[-1].isa, None, s)
     assert torch.equal(out, ref[:40])
 
 
