@@ -151,7 +151,7 @@ class Llama:
         # plain layers (no QK-norm, no sandwich norms, SwiGLU) with no adapter in the batch, on our kernels: a run of
         # layers under one plan in one op; else, or when `between` runs before each layer, a layer at a time
         one_op = self.paged and self.one_op and not batch.adapters
-        for run in _runs(list(kinds.values()), alone=between is not None or not one_op):
+        for run in paged.runs(list(kinds.values()), alone=between is not None or not one_op):
             if between:
                 with torch.inference_mode(False):  # as outside any forward: it may create requests' own tensors
                     between()
@@ -174,7 +174,7 @@ class Llama:
             else:
                 q, k, v = (t.view(-1, h, c.head_dim) for t, h in zip(qkv.split([nq, nkv, nkv], dim=1),
                                                                      (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
-                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+                q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
                 k_pool.index_copy_(0, slots, k[:n].to(pool.k.dtype))
                 v_pool.index_copy_(0, slots, v[:n].to(pool.v.dtype))
                 o = attention.attend(q, k_pool, v_pool, plans[kind], *results[kind], scale=self.attn_scale)
@@ -281,20 +281,3 @@ class Llama:
 def _gemms(L: dict) -> dict[str, torch.Tensor | Packed]:
     """A layer's GEMM weights, by a name for people within the layer ("down", "down of expert 3")."""
     return {name: L[name] for name in LINEARS if name in L} | (L["experts"].gemms() if "experts" in L else {})
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
-
-
-def _runs(kinds: list, alone: bool) -> list[list[int]]:
-    """The layers in runs of consecutive layers of one kind (each layer a run of its own when `alone`)."""
-    runs: list[list[int]] = []
-    for i, kind in enumerate(kinds):
-        if runs and not alone and kinds[runs[-1][0]] == kind:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs

@@ -116,3 +116,14 @@ def layers(x: torch.Tensor, Ls: list[dict], eps: float, cos: torch.Tensor, sin: 
         [i for w in weights for i in w.ids], [r for w in weights for r in w.rows], [len(w.data) for w in weights],
         [L["qkv_bias"] for L in Ls], cos.contiguous(), sin.contiguous(), k, v, pool_rows, slots, heads, p.pos,
         p.tables, p.row_seq, p.order, p.items, p.block_size, scale, p.window, isa)
+
+
+def runs(kinds: list, alone: bool) -> list[list[int]]:
+    """The layers in runs of consecutive layers of one kind (each layer a run of its own when `alone`)."""
+    runs: list[list[int]] = []
+    for i, kind in enumerate(kinds):
+        if runs and not alone and kinds[runs[-1][0]] == kind:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs

@@ -11,11 +11,11 @@ from conftest import GREEDY, generate_with_logits
 from family_models import family_model
 
 from prefixcache import LLM, kernels
-from prefixcache.models import paged
+from prefixcache.models import paged, rope
 from prefixcache.models.attention import Queries
 from prefixcache.models.exactness import row_counts
 from prefixcache.models.kernel_check import attention64
-from prefixcache.models.llama import Llama, _rope
+from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
 from prefixcache.models.probe import _confirm, probe
 from prefixcache.models.rowwise import KernelOps, Packed
@@ -184,11 +184,11 @@ def test_rope_store_is_rope_then_store(heads, kv_heads, d):
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
     q, k, v = q.reshape(rows, heads, d), k.reshape(rows, kv_heads, d), v.reshape(rows, kv_heads, d)
     k_ref, v_ref = torch.zeros(slots_in_pool, kv_heads, d), torch.zeros(slots_in_pool, kv_heads, d)
-    paged.store(k_ref, v_ref, _rope(k, cos, sin)[:rows - 2], v[:rows - 2], slots)
+    paged.store(k_ref, v_ref, rope.apply(k, cos, sin)[:rows - 2], v[:rows - 2], slots)
     for ops in BUILDS:
         kp, vp = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
         out = paged.rope_store(qkv, cos, sin, kp, vp, slots, heads, kv_heads, ops.isa)
-        assert torch.equal(out, _rope(q, cos, sin)) and torch.equal(kp, k_ref) and torch.equal(vp, v_ref), ops.name
+        assert torch.equal(out, rope.apply(q, cos, sin)) and torch.equal(kp, k_ref) and torch.equal(vp, v_ref), ops.name
 
 
 @pytest.mark.parametrize("sinks", [False, True])
