@@ -315,18 +315,19 @@ def _recording(monkeypatch) -> dict[tuple, set[int]]:
         if callable(fn) and not name.startswith("_"):
             monkeypatch.setattr(KernelOps, name, record(name, fn, method_variant(fn)))
     monkeypatch.setattr(paged, "rope_store", record("rope_store", paged.rope_store, lambda qkv, *a: ((), len(qkv))))
-    monkeypatch.setattr(paged, "attend",
-                        record("attend", paged.attend, lambda q, k, v, p, *a: ((("window", p.window),), len(q))))
+    monkeypatch.setattr(paged, "attend", record("attend", paged.attend, lambda q, k, v, p, isa, scale=None, sinks=None:
+                                                ((("window", p.window), ("sinks", sinks is not None)), len(q))))
     monkeypatch.setattr(paged, "layers", record("layers", paged.layers,
                                                 lambda x, Ls, *a: ((("window", a[8].window),), len(x))))
     return calls
 
 
-@pytest.mark.parametrize("family", ["tiny_model", "tiny_gemma", "tiny_qwen_window", "tiny_moe"])
+@pytest.mark.parametrize("family", ["tiny_model", "tiny_gemma", "tiny_qwen_window", "tiny_moe", "tiny_gpt_oss"])
 def test_the_probe_checks_every_call_the_forward_makes_at_every_row_count(family, request, monkeypatch):
     """Whatever the forward calls on our kernels (found by running it, not listed here: a fused GEMM with its norm,
-    activation or residual, a norm, RoPE with the KV store, attention with and without a window, a mixture of
-    experts' router and experts, the sampler's logit_stats), the startup probe calls too, with the same kinds of
+    activation or residual, a GEMM with a bias, a norm, RoPE with the KV store, attention with and without a window
+    or sinks, a mixture of experts' router and experts (gpt-oss's clamped SwiGLU), the sampler's logit_stats), the
+    startup probe calls too, with the same kinds of
     arguments, at every row count of row_counts(the batch limit) (the LM head's: each up to max_head_rows; the
     sampler's: one row, as it calls)."""
     llm = LLM(model=request.getfixturevalue(family), enable_prefix_cache=False, max_batch_tokens=80, max_num_seqs=4)
@@ -335,9 +336,10 @@ def test_the_probe_checks_every_call_the_forward_makes_at_every_row_count(family
     forward = _recording(monkeypatch)
     llm.generate([list(range(5, 200)), [7] * 30, [9, 8, 7]], GREEDY)
     monkeypatch.undo()
-    windows = (0, 128) if family in ("tiny_gemma", "tiny_qwen_window") else (0,)  # global and local layers
-    if family in ("tiny_gemma", "tiny_moe"):  # layers of another form than paged.layers computes
-        assert {("attend", (("window", w),)) for w in windows} <= set(forward)
+    windows = (0, 128) if family in ("tiny_gemma", "tiny_qwen_window", "tiny_gpt_oss") else (0,)  # global, local
+    if family in ("tiny_gemma", "tiny_moe", "tiny_gpt_oss"):  # layers of another form than paged.layers computes
+        sinks = family == "tiny_gpt_oss"
+        assert {("attend", (("window", w), ("sinks", sinks))) for w in windows} <= set(forward)
     else:  # plain layers: one op a run
         assert {("layers", (("window", w),)) for w in windows} <= set(forward)
         assert not any(op == "attend" for op, _ in forward)
