@@ -74,6 +74,13 @@ def tiny_moe(tmp_path_factory) -> str:
     return family_model(str(tmp_path_factory.mktemp("tiny_moe")), "qwen3_moe", seed=5)
 
 
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory) -> str:
+    """A gpt-oss: sinks, biases, a 128-key window on every other layer, YaRN, 4 experts of clamped SwiGLU, 2 a token
+    (tests/family_models.py)."""
+    return family_model(str(tmp_path_factory.mktemp("tiny_gpt_oss")), "gpt_oss", seed=6)
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 

@@ -29,6 +29,13 @@ FAMILIES = {  # each family's own features, at the sizes of its real configs' ra
                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    # attention sinks, q/k/v/o biases, a 128-key window on every other layer, YaRN (gpt-oss-20b's, untruncated); 4
+    # experts of clamped SwiGLU with biases, 2 a token, weighted by the softmax of their router logits
+    "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=4, head_dim=32, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=128, tie_word_embeddings=False,
+                    max_position_embeddings=131072,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
 }
 
 
@@ -40,10 +47,14 @@ def family_model(folder: str, family: str, seed: int, **overrides) -> str:
     config = AutoConfig.for_model(features.pop("model_type", family.split("-")[0]), **{**SHAPE, **features})
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # HF initializes norms to 1 and biases to 0: make them count
+    with torch.no_grad():  # HF initializes norms to 1 and biases (gpt-oss's sinks) to 0: make them count
         for name, p in hf.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith(("norm.weight", ".bias", "_bias")):
                 p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(".sinks"):
+                p.copy_(torch.randn_like(p))
+            elif name.endswith("gate_up_proj"):  # gpt-oss's experts: gates and ups reach the activation's clamp
+                p.mul_(30)
     hf.save_pretrained(folder)
     loader.tokenizer(default_model_path()).save_pretrained(folder)
     return folder

@@ -27,6 +27,8 @@ GGUF_NAMES = {
 }
 
 
+GPT_OSS_NAMES = {"post_attention_layernorm": "post_attention_norm", "self_attn.sinks": "attn_sinks"}  # and its
+# experts split as _split_experts does
 GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}  # Gemma 3's sandwich norms, as llama.cpp names them
 
@@ -41,8 +43,8 @@ def write_gguf(folder: str, path: str, kind_of, rope_factors: bool = False, arch
     written as llama.cpp does: a rope_freqs tensor. `arch` names another architecture than the model's."""
     with open(os.path.join(folder, "config.json")) as f:
         hf = json.load(f)
-    arch = arch or {"mistral": "llama", "gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(hf["model_type"],
-                                                                                               hf["model_type"])
+    arch = arch or {"mistral": "llama", "gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}.get(
+        hf["model_type"], hf["model_type"])
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
@@ -60,22 +62,26 @@ def write_gguf(folder: str, path: str, kind_of, rope_factors: bool = False, arch
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes gpt-oss's: no bounds, no truncate
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if hf.get("use_sliding_window", True) and hf.get("sliding_window"):
         w.add_sliding_window(hf["sliding_window"])
     w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     if experts := hf.get("num_experts") or hf.get("num_local_experts"):
         w.add_expert_count(experts)
         w.add_expert_used_count(hf["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+        w.add_expert_feed_forward_length(hf.get("moe_intermediate_size") or hf["intermediate_size"])
     _copy_tokenizer(w)
-    for name, t in _stacked(load_file(os.path.join(folder, "model.safetensors"))).items():
+    for name, t in _stacked(_split_experts(load_file(os.path.join(folder, "model.safetensors")))).items():
         g = _gguf_name(name, hf["model_type"])
         data = t.float().numpy()
         if _offset_norm(g, hf["model_type"]):  # llama.cpp's converter stores Gemma's norms as 1 + w
             data = data + 1
         if arch == "llama" and g.split(".")[-2] in ("attn_q", "attn_k"):
             data = _permute(data, heads if "attn_q" in g else kv_heads)
-        kind = kind_of(g) if data.ndim >= 2 else "F32"
+        kind = kind_of(g) if data.ndim >= 2 and g.endswith(".weight") else "F32"
         if kind == "F32":
             w.add_tensor(g, data)
         else:
@@ -110,8 +116,8 @@ def dequantized_folder(gguf_path: str, hf_folder: str, out: str) -> str:
     with open(os.path.join(hf_folder, "config.json")) as f:
         hf = json.load(f)
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
-    names = {_gguf_name(n, hf["model_type"]): n for n in _stacked(load_file(os.path.join(hf_folder,
-                                                                                      "model.safetensors")))}
+    names = {_gguf_name(n, hf["model_type"]): n
+             for n in _stacked(_split_experts(load_file(os.path.join(hf_folder, "model.safetensors"))))}
     tensors = {}
     for t in reader.tensors:
         if t.name in names:
@@ -121,12 +127,57 @@ def dequantized_folder(gguf_path: str, hf_folder: str, out: str) -> str:
             if hf["model_type"] in ("llama", "mistral") and t.name.split(".")[-2] in ("attn_q", "attn_k"):
                 data = _unpermute(data, heads if "attn_q" in t.name else kv_heads)
             data = torch.from_numpy(np.ascontiguousarray(data))
-            if ".experts." in names[t.name]:  # back to HF's tensor per expert
+            if hf["model_type"] == "gpt_oss":  # fused again below
+                tensors[names[t.name]] = data
+            elif ".experts." in names[t.name]:  # back to HF's tensor per expert
                 tensors.update({names[t.name].replace(".experts.", f".experts.{e}."): one.contiguous()
                                 for e, one in enumerate(data)})
             else:
                 tensors[names[t.name]] = data
-    save_file(tensors, os.path.join(out, "model.safetensors"))
+    save_file(_fused_experts(tensors) if hf["model_type"] == "gpt_oss" else tensors,
+              os.path.join(out, "model.safetensors"))
+    return out
+
+
+def _split_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's tensors as llama.cpp's converter splits them (GptOssModel.modify_tensors): each layer's router as
+    mlp.gate, its experts' gate_up_proj [experts, hidden, 2 size] (gate at even columns, up at odd) transposed into
+    stacked gate and up projections [experts, size, hidden], down_proj transposed, the biases split likewise; any
+    other model's as they are."""
+    out = {}
+    for name, t in tensors.items():
+        if ".mlp.router." in name:
+            out[name.replace(".mlp.router.", ".mlp.gate.")] = t
+        elif name.endswith("gate_up_proj") or name.endswith("gate_up_proj_bias"):
+            t, suffix = (t.transpose(1, 2), "weight") if name.endswith("proj") else (t, "bias")
+            base = name.rsplit(".", 1)[0]
+            out[f"{base}.gate_proj.{suffix}"], out[f"{base}.up_proj.{suffix}"] = t[:, ::2], t[:, 1::2]
+        elif name.endswith("down_proj"):
+            out[name + ".weight"] = t.transpose(1, 2)
+        elif name.endswith("down_proj_bias"):
+            out[name.removesuffix("_bias") + ".bias"] = t
+        else:
+            out[name] = t
+    return out
+
+
+def _fused_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """_split_experts' inverse: gpt-oss's tensors as HF names and lays them out."""
+    out = {}
+    for name, t in tensors.items():
+        if ".mlp.gate." in name:
+            out[name.replace(".mlp.gate.", ".mlp.router.")] = t
+        elif ".experts.gate_proj." in name:
+            up = tensors[name.replace("gate_proj", "up_proj")]
+            fused = torch.stack([t, up], dim=2).flatten(1, 2)  # gate, up interleaved by rows
+            base = name.split(".experts.")[0] + ".experts.gate_up_proj"
+            out.update({base: fused.transpose(1, 2).contiguous()} if name.endswith("weight")
+                       else {base + "_bias": fused})
+        elif ".experts.down_proj." in name:
+            base = name.split(".experts.")[0] + ".experts.down_proj"
+            out.update({base: t.transpose(1, 2).contiguous()} if name.endswith("weight") else {base + "_bias": t})
+        elif ".experts.up_proj." not in name:
+            out[name] = t
     return out
 
 
@@ -136,7 +187,7 @@ def _stacked(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out, experts = {}, {}
     for name, t in tensors.items():
         parts = name.split(".")
-        if "experts" in parts:
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
             at = parts.index("experts")
             experts.setdefault(".".join(parts[:at + 1] + parts[at + 2:]), {})[int(parts[at + 1])] = t
         else:
@@ -145,7 +196,9 @@ def _stacked(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _gguf_name(hf_name: str, model_type: str) -> str:
-    names = {**GGUF_NAMES, **GEMMA_NAMES} if model_type == "gemma3_text" else GGUF_NAMES
+    names = {**GGUF_NAMES, **{"gemma3_text": GEMMA_NAMES, "gpt_oss": GPT_OSS_NAMES}.get(model_type, {})}
+    if hf_name.endswith(".sinks"):  # a bare parameter, a .weight in the file
+        hf_name += ".weight"
     base, suffix = hf_name.rsplit(".", 1)
     if base.startswith("model.layers."):
         _, _, i, rest = base.split(".", 3)

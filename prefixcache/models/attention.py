@@ -10,6 +10,7 @@ and a number of keys that the exactness probe verified on this CPU (Exactness.at
 - Cascade: sequences whose tile holds the same blocks (a shared cached prefix, n samples of one prompt) attend it
   in one call, all their query rows together, so its keys are read once per step.
 - The plan of tiles, query rows and masks is built once per step (`plan`); each layer then runs `attend`.
+- Sinks (gpt-oss): a learned logit per head joins each row's softmax denominator, once, after the tiles' merge.
 """
 import math
 from dataclasses import dataclass
@@ -89,10 +90,10 @@ def plan(groups: list[Queries], num_tokens: int, tile: int, block_size: int, poo
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: AttnPlan, out: torch.Tensor,
-           lse: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """q [N, heads, d] -> [N, heads, d], over one layer's pool k, v [slots, kv heads, d]. out [num_tiles * N *
-    heads + 1, d] and lse [num_tiles * N * heads + 1] hold each tile's results: filled with `empty_results` once
-    per step, since every layer writes the same slots."""
+           lse: torch.Tensor, scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, heads, d] -> [N, heads, d], over one layer's pool k, v [slots, kv heads, d], with each head's sink
+    logit [heads] if given. out [num_tiles * N * heads + 1, d] and lse [num_tiles * N * heads + 1] hold each tile's
+    results: filled with `empty_results` once per step, since every layer writes the same slots."""
     n, heads, d = q.shape
     kvh = k_pool.shape[1]
     rows = torch.cat([q.reshape(-1, d), q.new_zeros(1, d)]).index_select(0, p.q_index)
@@ -107,7 +108,8 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: AttnP
             lses.append(m.reshape(-1))
     out.index_copy_(0, p.out_index, torch.cat(outs))
     lse.index_copy_(0, p.out_index, torch.cat(lses))
-    o = merge(out[:-1].view(p.num_tiles, n * heads, d), lse[:-1].view(p.num_tiles, n * heads, 1))
+    o = merge(out[:-1].view(p.num_tiles, n * heads, d), lse[:-1].view(p.num_tiles, n * heads, 1),
+              None if sinks is None else sinks.float().repeat(n).view(-1, 1))
     return o.view(n, heads, d).to(q.dtype)
 
 
@@ -118,9 +120,10 @@ def empty_results(p: AttnPlan, num_tokens: int, heads: int, d: int, dtype: torch
     return torch.zeros(n, d, dtype=dtype), torch.full((n,), MASKED)
 
 
-def merge(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Tiles' results [tiles, rows, d] by their log-sum-exp [tiles, rows, 1], in tile order. A tile a row does not
-    reach (lse MASKED, out 0) leaves its bits unchanged: its weight is exp(MASKED - m) == 0 and the old one 1."""
+def merge(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Tiles' results [tiles, rows, d] by their log-sum-exp [tiles, rows, 1], in tile order, then each row's sink
+    logit [rows, 1] (if any) added to the denominator as exp(sink - m). A tile a row does not reach (lse MASKED,
+    out 0) leaves its bits unchanged: its weight is exp(MASKED - m) == 0 and the old one 1."""
     acc, m_i, l_i = out[0], lse[0], torch.ones_like(lse[0])
     for t in range(1, out.shape[0]):
         m_new = torch.maximum(m_i, lse[t])
@@ -128,6 +131,8 @@ def merge(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         acc = acc * old + out[t] * new
         l_i = l_i * old + new
         m_i = m_new
+    if sinks is not None:
+        l_i = l_i + torch.exp(sinks - m_i)
     return acc / l_i
 
 

@@ -24,6 +24,7 @@ NAMES = {
 }
 EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked: [experts,
 # rows, k], each expert's slice HF's mlp.experts.{e}.{name}
+BARE = {"attn_sinks"}  # tensors whose HF name has no .weight
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.x's RoPE scaling, as llama.cpp's converter writes it
 
 
@@ -55,20 +56,26 @@ def _hf_config(fields: dict, family: Family, tensors: dict, tokenizer) -> dict:
     arch = family.gguf_arch
     hidden, heads = fields[f"{arch}.embedding_length"], fields[f"{arch}.attention.head_count"]
     scaling = fields.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
-        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported yet; supported: linear, and Llama 3.x's "
-                         f"factors ({ROPE_FACTORS})")
+    if scaling not in ("none", "linear", "yarn"):
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported yet; supported: linear, yarn, and Llama "
+                         f"3.x's factors ({ROPE_FACTORS})")
     rope = {"rope_type": "default", "rope_theta": float(fields.get(f"{arch}.rope.freq_base", 10000.0))}
-    if scaling == "linear":
-        rope.update(rope_type="linear", factor=float(fields[f"{arch}.rope.scaling.factor"]))
+    if scaling != "none":
+        rope.update(rope_type=scaling, factor=float(fields[f"{arch}.rope.scaling.factor"]))
+    if scaling == "yarn":  # llama.cpp's defaults of the bounds, as transformers'
+        rope.update(original_max_position_embeddings=fields[f"{arch}.rope.scaling.original_context_length"],
+                    beta_fast=float(fields.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(fields.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                    truncate=family.gguf_yarn_truncate)
     layers, window = fields[f"{arch}.block_count"], fields.get(f"{arch}.attention.sliding_window", 0)
     windows = {}
     if window and family.gguf_window_pattern:
         every = family.gguf_window_pattern
         windows = {"sliding_window": window, "layer_types": [
             "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]}
-        rope = {"full_attention": rope,
-                "sliding_attention": {"rope_type": "default", "rope_theta": family.gguf_local_theta}}
+        if family.gguf_local_theta:
+            rope = {"full_attention": rope,
+                    "sliding_attention": {"rope_type": "default", "rope_theta": family.gguf_local_theta}}
     elif window:
         windows = {"sliding_window": window}
     moe = {}
@@ -140,7 +147,7 @@ def _tensors(file: np.ndarray, table: list[dict], fields: dict, family: Family):
                 raise ValueError(f"GGUF tensor {name!r} holds {values.shape[0]} experts, but {arch}.expert_count says "
                                  f"{experts}")
         elif parts[0] == "blk" and parts[2] in names:
-            name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+            name = f"model.layers.{parts[1]}.{names[parts[2]]}" + ("" if parts[2] in BARE else f".{parts[3]}")
         elif parts[0] in NAMES and len(parts) == 2:
             name = f"{NAMES[parts[0]]}.{parts[1]}"
         else:
@@ -173,15 +180,17 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def read_tokenizer(path: str, digest: str = ""):
     """The file's tokenizer, converted once by transformers and kept in the user cache under the file's digest; with
     its family's chat template where the file has none."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     digest = digest or file_digest(path)
     folder = os.path.join(cache_home(), "tokenizers", f"{os.path.basename(path).removesuffix('.gguf')}-{digest}")
     if os.path.exists(os.path.join(folder, "tokenizer_config.json")):
         return _kept_tokenizer(folder)
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    family = by_gguf_arch(_index(path, digest)[0]["general.architecture"])
+    reader = AutoTokenizer if family.gguf_auto_tokenizer else PreTrainedTokenizerFast
+    tokenizer = reader.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
     if not tokenizer.chat_template:
-        tokenizer.chat_template = by_gguf_arch(_index(path, digest)[0]["general.architecture"]).chat_template or None
+        tokenizer.chat_template = family.chat_template or None
     tmp = f"{folder}.tmp{os.getpid()}"
     tokenizer.save_pretrained(tmp)
     try:

@@ -63,7 +63,7 @@ def _attend_target(model, window: int, n_rows: int, gen: torch.Generator) -> tup
         queries = [Queries(i - lo, [pos[i]], keys, table) for i in range(lo, mid)]
         queries.append(Queries(mid - lo, pos[mid:hi], keys, table))
         return paged.attend(q[lo:hi], *pool, paged.plan(queries, hi - lo, BLOCK, window), model.ops.isa,
-                            model.attn_scale)
+                            model.attn_scale, sinks(model))
     return "attend" + (f" window {window}" if window else ""), f"{keys} keys", attend
 
 
@@ -151,12 +151,19 @@ def shipped(model, gen: torch.Generator) -> list[str]:
     return bad
 
 
-def attention64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [heads, d] over k, v [keys, kv heads, d], in float64."""
+def sinks(model) -> torch.Tensor | None:
+    """The first layer's attention sinks [heads] (the probe's attention checks run with them), or None."""
+    return model.layers[0].get("sinks")
+
+
+def attention64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [heads, d] over k, v [keys, kv heads, d], with each head's sink logit [heads] if given, in float64."""
     group = q.shape[0] // k.shape[1]
     k, v = (t.double().repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
-    w = torch.softmax((k @ q.double().unsqueeze(-1)).squeeze(-1) * q.shape[-1] ** -0.5, dim=-1)
-    return (w.unsqueeze(1) @ v).squeeze(1)
+    scores = (k @ q.double().unsqueeze(-1)).squeeze(-1) * q.shape[-1] ** -0.5
+    if sinks is not None:  # a column of the softmax that weighs no value
+        return (torch.softmax(torch.cat([scores, sinks.double()[:, None]], dim=-1), dim=-1)[:, None, :-1] @ v)[:, 0]
+    return (torch.softmax(scores, dim=-1).unsqueeze(1) @ v).squeeze(1)
 
 
 def _paged(model, gen: torch.Generator, window: int) -> list[str]:
@@ -172,7 +179,7 @@ def _paged(model, gen: torch.Generator, window: int) -> list[str]:
     pool, moved_pool = paged.laid_out(k, v), paged.laid_out(k2, v2)
 
     def run(queries, rows, kv=pool):
-        return paged.attend(rows, *kv, paged.plan(queries, len(rows), bs, window), model.ops.isa)
+        return paged.attend(rows, *kv, paged.plan(queries, len(rows), bs, window), model.ops.isa, None, sinks(model))
     whole = run([Queries(0, pos, keys, table)], q)
     ways = {"one-token queries": run([Queries(i, [p], keys, table) for i, p in enumerate(pos)], q),
             "one by one": torch.cat([run([Queries(0, [p], keys, table)], q[i:i + 1]) for i, p in enumerate(pos)]),
@@ -180,7 +187,7 @@ def _paged(model, gen: torch.Generator, window: int) -> list[str]:
     name = "attention" + (f" window {window}" if window else "")
     problems = [f"{name} differs {how}" for how, out in ways.items() if not torch.equal(out, whole)]
     slots = [_slots(table, p, bs, window) for p in pos]
-    ref = torch.stack([attention64(q[i], k[s], v[s]) for i, s in enumerate(slots)])
+    ref = torch.stack([attention64(q[i], k[s], v[s], sinks(model)) for i, s in enumerate(slots)])
     err = ((whole.double() - ref).abs().max() / ref.abs().max()).item()
     return problems + ([f"{name} off float64 by {err:.1e}"] if err > 1e-5 else [])
 

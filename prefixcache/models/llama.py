@@ -56,11 +56,11 @@ class Llama:
             self.layers.append(dict(
                 ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
                 qkv=linear(*(a + n + "_proj.weight" for n in "qkv")), qkv_bias=bias, o=linear(a + "o_proj.weight"),
-                q_norm=w.get(a + "q_norm.weight"), k_norm=w.get(a + "k_norm.weight"),
-            ))
+                q_norm=w.get(a + "q_norm.weight"), k_norm=w.get(a + "k_norm.weight"), o_bias=w.get(a + "o_proj.bias"),
+                sinks=w.get(a + "sinks")))
             if i in c.sparse_layers:
-                assert not c.sandwich_norms and c.activation == "silu", "a mixture of experts is Qwen3-MoE's block"
-                self.layers[-1]["experts"] = moe.load(p + "mlp.", c.experts, linear)
+                assert not c.sandwich_norms, "a mixture of experts is Qwen3-MoE's or gpt-oss's block"
+                self.layers[-1]["experts"] = moe.load(p + "mlp.", c.experts, linear, w, c.expert_glu, c.topk_softmax)
             else:
                 self.layers[-1].update(gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                                        down=linear(p + "mlp.down_proj.weight"))
@@ -77,7 +77,8 @@ class Llama:
         self.attn_scale = c.attn_scale or c.head_dim ** -0.5
         self.exact: Exactness = rows_plan("", "until the engine sets the probed plan")
         # every layer of the form paged.layers computes (on our kernels, one op for a run of layers)
-        self.one_op = c.activation == "silu" and not c.qk_norm and not c.sandwich_norms and not c.sparse_layers
+        self.one_op = c.activation == "silu" and not (c.qk_norm or c.sandwich_norms or c.sparse_layers or c.biases
+                                                      or c.sinks)
 
     @property
     def paged(self) -> bool:
@@ -151,7 +152,7 @@ class Llama:
         # plain layers (no QK-norm, no sandwich norms, SwiGLU) with no adapter in the batch, on our kernels: a run of
         # layers under one plan in one op; else, or when `between` runs before each layer, a layer at a time
         one_op = self.paged and self.one_op and not batch.adapters
-        for run in _runs(list(kinds.values()), alone=between is not None or not one_op):
+        for run in paged.runs(list(kinds.values()), alone=between is not None or not one_op):
             if between:
                 with torch.inference_mode(False):  # as outside any forward: it may create requests' own tensors
                     between()
@@ -170,21 +171,21 @@ class Llama:
                 qkv = self._qk_norm(qkv, L)
             if self.paged:
                 q = paged.rope_store(qkv, cos, sin, k_pool, v_pool, slots, c.num_heads, c.num_kv_heads, self.ops.isa)
-                o = paged.attend(q, k_pool, v_pool, plans[kind], self.ops.isa, self.attn_scale)
+                o = paged.attend(q, k_pool, v_pool, plans[kind], self.ops.isa, self.attn_scale, L["sinks"])
             else:
                 q, k, v = (t.view(-1, h, c.head_dim) for t, h in zip(qkv.split([nq, nkv, nkv], dim=1),
                                                                      (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
-                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+                q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
                 k_pool.index_copy_(0, slots, k[:n].to(pool.k.dtype))
                 v_pool.index_copy_(0, slots, v[:n].to(pool.v.dtype))
-                o = attention.attend(q, k_pool, v_pool, plans[kind], *results[kind], scale=self.attn_scale)
+                o = attention.attend(q, k_pool, v_pool, plans[kind], *results[kind], self.attn_scale, L["sinks"])
             o = o.view(-1, nq)
             if c.sandwich_norms:  # x + norm(o W), x + norm(MLP(norm(x)))
-                y = self._rows(self.ops.linear, o, L["o"])
+                y = self._rows(self.ops.linear, o, L["o"], L["o_bias"])
                 self._lora(batch, i, "o", y, lambda rows: o[rows])
                 x = x + self._rows(self.ops.rms_norm, y, L["post_attn"], eps)
             else:
-                x = self._rows(self.ops.linear, o, L["o"], None, residual=x)
+                x = self._rows(self.ops.linear, o, L["o"], L["o_bias"], residual=x)
                 self._lora(batch, i, "o", x, lambda rows: o[rows])
             if "experts" in L:
                 h = self._rows(self.ops.rms_norm, x, L["ln2"], eps)
@@ -241,7 +242,7 @@ class Llama:
             RowOp("down", ops.linear, (L["down"],), c.intermediate_size),
             RowOp(glu.__name__, glu, (), 2 * c.intermediate_size)]
         return [RowOp("qkv", ops.linear, (L["qkv"], L["qkv_bias"]), c.hidden_size),
-                RowOp("o", ops.linear, (L["o"],), c.num_heads * c.head_dim), *mlp[:-1],
+                RowOp("o", ops.linear, (L["o"], L["o_bias"]), c.num_heads * c.head_dim), *mlp[:-1],
                 RowOp("lm_head", ops.linear, (self.lm_head,), c.hidden_size, head=True),
                 RowOp("rms_norm", ops.rms_norm, (L["ln1"], c.rms_norm_eps), c.hidden_size), mlp[-1]] + (
                 [RowOp("qk_norm", ops.rms_norm, (L["q_norm"], c.rms_norm_eps), c.head_dim)] if c.qk_norm else [])
@@ -260,7 +261,7 @@ class Llama:
             RowOp("rms_norm+gate_up", ops.norm_linear, (L["ln2"], eps, L["gate_up"]), c.hidden_size),
             RowOp(f"{glu}+down{plus}", glu_linear, (L["down"],), 2 * c.intermediate_size, residual=residual)]
         return [RowOp("rms_norm+qkv", ops.norm_linear, (L["ln1"], eps, L["qkv"], L["qkv_bias"]), c.hidden_size),
-                RowOp("o" + plus, ops.linear, (L["o"], None), c.num_heads * c.head_dim, residual=residual), *mlp,
+                RowOp("o" + plus, ops.linear, (L["o"], L["o_bias"]), c.num_heads * c.head_dim, residual=residual), *mlp,
                 RowOp("lm_head", ops.linear, (self.lm_head,), c.hidden_size, head=True),
                 RowOp("rms_norm", ops.rms_norm, (self.norm, eps), c.hidden_size)] + (
                 [RowOp("qk_norm", ops.rms_norm, (L["q_norm"], eps), c.head_dim)] if c.qk_norm else [])
@@ -281,20 +282,3 @@ class Llama:
 def _gemms(L: dict) -> dict[str, torch.Tensor | Packed]:
     """A layer's GEMM weights, by a name for people within the layer ("down", "down of expert 3")."""
     return {name: L[name] for name in LINEARS if name in L} | (L["experts"].gemms() if "experts" in L else {})
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
-
-
-def _runs(kinds: list, alone: bool) -> list[list[int]]:
-    """The layers in runs of consecutive layers of one kind (each layer a run of its own when `alone`)."""
-    runs: list[list[int]] = []
-    for i, kind in enumerate(kinds):
-        if runs and not alone and kinds[runs[-1][0]] == kind:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs

@@ -11,7 +11,7 @@ import torch
 import xxhash
 
 from prefixcache.files import cache_home
-from prefixcache.models import families, gguf_file, quant, rope
+from prefixcache.models import families, gguf_file, moe, quant, rope
 from prefixcache.models.quant import Blocks
 
 Tensor = torch.Tensor | Blocks  # a weight: a tensor, or blocks as a GGUF ships them
@@ -46,6 +46,10 @@ class ModelConfig:
     experts_used: int = 0  # a token's top k
     expert_size: int = 0  # an expert's gated MLP width
     norm_topk: bool = False  # the top k's weights divided by their sum (HF's norm_topk_prob)
+    topk_softmax: bool = False  # the weights are the softmax of the chosen k's logits (families.Family)
+    expert_glu: tuple[float, ...] = ()  # the experts' clamped SwiGLU's (alpha, limit); (): SwiGLU
+    biases: bool = False  # the o projection, the router and the experts have biases
+    sinks: bool = False  # attention sinks, a logit per head
 
 
 @dataclass
@@ -66,6 +70,8 @@ def load(path: str, dtype: torch.dtype = torch.float32, quantized: bool = True) 
     release = Weights.release
     if os.path.isdir(path):
         hf, tensors, tokenizer = _hf_config(path), _safetensors(path), _folder_tokenizer(path)
+        if families.by_hf_type(hf.get("model_type")).fused_experts:
+            tensors = moe.unfuse(tensors)
         digest = _digest(os.path.join(path, f) for f in _safetensor_files(path))
     elif path.endswith(".gguf"):
         hf, tensors, tokenizer, digest, release = gguf_file.read(path)
@@ -201,6 +207,8 @@ def _config(hf: dict, tensor_names) -> ModelConfig:
         raise ValueError(f"layer types {sorted(unknown)} are not supported yet")
     global_rope, local_rope = rope.from_hf(hf), rope.from_hf(hf, "sliding_attention")
     experts = (hf.get("num_experts") or hf.get("num_local_experts") or 0) if family.moe else 0
+    glu = family.expert_glu and (float(hf.get("swiglu_alpha", family.expert_glu[0])),
+                                 float(hf.get("swiglu_limit", family.expert_glu[1])))
     used = hf.get("num_experts_per_tok", 0) if experts else 0
     if experts and not 0 < used <= experts:
         raise ValueError(f"num_experts_per_tok {used} is not a count of the model's {experts} experts")
@@ -219,8 +227,10 @@ def _config(hf: dict, tensor_names) -> ModelConfig:
         attn_scale=hf["query_pre_attn_scalar"] ** -0.5 if "query_pre_attn_scalar" in hf else 0.0,
         sliding_window=window if local else 0, local_layers=local,
         local_rope=local_rope if local and local_rope != global_rope else None,
-        sparse_layers=sparse, experts=experts, experts_used=used, expert_size=hf.get("moe_intermediate_size", 0),
-        norm_topk=bool(experts and hf.get("norm_topk_prob")),
+        sparse_layers=sparse, experts=experts, experts_used=used,
+        expert_size=(hf.get("moe_intermediate_size") or hf["intermediate_size"]) if experts else 0,
+        norm_topk=bool(experts and hf.get("norm_topk_prob")), topk_softmax=family.topk_softmax, expert_glu=glu,
+        biases=family.biases, sinks=family.sinks,
     )
 
 
@@ -252,6 +262,13 @@ def _check_shapes(c: ModelConfig, tensors: dict[str, Tensor]) -> None:
         for m, shape in (("gate_proj", (e, h)), ("up_proj", (e, h)), ("down_proj", (h, e)))}
     if c.attention_bias:
         layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if c.biases:
+        layer["self_attn.o_proj.bias"] = (h,)
+        experts |= {"mlp.gate.bias": (c.experts,)} | {
+            f"mlp.experts.{x}.{m}.bias": (h if m == "down_proj" else e,) for x in range(c.experts)
+            for m in ("gate_proj", "up_proj", "down_proj")}
+    if c.sinks:
+        layer["self_attn.sinks"] = (c.num_heads,)
     if c.qk_norm:
         layer.update({"self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)})
     if c.sandwich_norms:
@@ -277,6 +294,6 @@ def _with_eos(config: ModelConfig, tokenizer) -> ModelConfig:
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     vocab = tokenizer.get_vocab()  # once: for Gemma's 262k tokens, half a second a call
-    specials = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|eom_id|>", "<end_of_turn>")
+    specials = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|eom_id|>", "<end_of_turn>", "<|return|>", "<|call|>")
     eos.update(vocab[special] for special in specials if special in vocab)
     return dataclasses.replace(config, eos_token_ids=tuple(sorted(eos)))

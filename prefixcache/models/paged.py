@@ -96,11 +96,12 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: 
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, p: PagedPlan, isa: int,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [tokens, heads, d] over one layer's pool k, v (written by `store`) -> [tokens, heads, d], q.k scaled by
-    `scale` (head_dim ** -0.5 by default)."""
+    `scale` (head_dim ** -0.5 by default), with each head's sink logit [heads] in its softmax's denominator if
+    given (added once a row, after its spans are folded)."""
     return torch.ops.prefixcache.attend(q.contiguous(), k_pool, v_pool, p.pos, p.tables, p.row_seq, p.order, p.items,
-                                        p.block_size, scale or q.shape[-1] ** -0.5, isa, p.window)
+                                        p.block_size, scale or q.shape[-1] ** -0.5, isa, p.window, sinks)
 
 
 def layers(x: torch.Tensor, Ls: list[dict], eps: float, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
@@ -115,3 +116,14 @@ def layers(x: torch.Tensor, Ls: list[dict], eps: float, cos: torch.Tensor, sin: 
         [i for w in weights for i in w.ids], [r for w in weights for r in w.rows], [len(w.data) for w in weights],
         [L["qkv_bias"] for L in Ls], cos.contiguous(), sin.contiguous(), k, v, pool_rows, slots, heads, p.pos,
         p.tables, p.row_seq, p.order, p.items, p.block_size, scale, p.window, isa)
+
+
+def runs(kinds: list, alone: bool) -> list[list[int]]:
+    """The layers in runs of consecutive layers of one kind (each layer a run of its own when `alone`)."""
+    runs: list[list[int]] = []
+    for i, kind in enumerate(kinds):
+        if runs and not alone and kinds[runs[-1][0]] == kind:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs

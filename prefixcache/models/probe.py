@@ -246,4 +246,5 @@ def _attend(model, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: l
     """The model's attention over pool k, v in blocks of KEY_STEP keys, under the given sizes and lengths."""
     exact = Exactness("pad", 1, [1], attn_sizes, "", "", key_lengths=key_lengths)
     plan = model.attn_plan(queries, len(q), KEY_STEP, len(k), exact)
-    return attention.attend(q, k, v, plan, *attention.empty_results(plan, *q.shape, q.dtype))
+    return attention.attend(q, k, v, plan, *attention.empty_results(plan, *q.shape, q.dtype),
+                            sinks=kernel_check.sinks(model))

@@ -1,12 +1,13 @@
 """Rotary position embeddings: each pair of a head's dimensions turns by position x its inverse frequency. Llama
-3.x ("llama3") and "linear" scaling change the frequencies; a GGUF carries Llama 3.x's as a tensor of factors
-(`rope_freqs`), which divide them. The tables are computed as HF transformers computes them (fp32, then cast)."""
+3.x ("llama3"), "linear" and YaRN ("yarn", gpt-oss's) scaling change the frequencies, and YaRN scales cos and sin by
+its attention factor; a GGUF carries Llama 3.x's as a tensor of factors (`rope_freqs`), which divide them. The tables
+are computed as HF transformers computes them (fp32, then cast)."""
 import math
 from dataclasses import dataclass
 
 import torch
 
-KINDS = ("default", "linear", "llama3")
+KINDS = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,11 @@ class Rope:
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position: int = 8192  # llama3
+    original_max_position: int = 8192  # llama3, yarn
+    beta_fast: float = 32.0  # yarn: the rotations bounding the frequencies kept and the ones interpolated
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: those bounds rounded out to whole dimensions
+    attention_factor: float = 1.0  # yarn: cos and sin are multiplied by it
     factors: tuple[float, ...] = ()  # a GGUF's rope_freqs: one divisor per inverse frequency
 
 
@@ -36,8 +41,25 @@ def from_hf(hf: dict, layer_type: str = "full_attention") -> Rope:
         return Rope(theta)
     if kind == "linear":
         return Rope(theta, kind, float(params["factor"]))
+    if kind == "yarn":
+        return _yarn(theta, params)
     return Rope(theta, kind, float(params["factor"]), float(params["low_freq_factor"]),
                 float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+
+
+def _yarn(theta: float, params: dict) -> Rope:
+    """As transformers' _compute_yarn_parameters reads its parameters (a config's factor, not the context's ratio)."""
+    factor, mscale, all_dim = float(params["factor"]), params.get("mscale"), params.get("mscale_all_dim")
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = _mscale(factor, mscale) / _mscale(factor, all_dim) if mscale and all_dim else _mscale(factor)
+    return Rope(theta, "yarn", factor, original_max_position=int(params["original_max_position_embeddings"]),
+                beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                truncate=bool(params.get("truncate", True)), attention_factor=float(attention))
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 class Table:
@@ -68,6 +90,8 @@ def tables(rope: Rope, head_dim: int, positions: int, dtype: torch.dtype) -> tup
     """cos and sin [positions, head_dim], the second half of each row a copy of the first."""
     freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq(rope, head_dim))
     emb = torch.cat([freqs, freqs], dim=-1)
+    if rope.kind == "yarn":
+        return (emb.cos() * rope.attention_factor).to(dtype), (emb.sin() * rope.attention_factor).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -88,4 +112,21 @@ def inv_freq(rope: Rope, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if rope.kind == "yarn":  # kept below the fast bound's dimension, interpolated past the slow one's, ramped between
+        low, high = (head_dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (
+            2 * math.log(rope.theta)) for rotations in (rope.beta_fast, rope.beta_slow))
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        high = high + 0.001 if high == low else high
+        kept = 1 - ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        interpolated = 1.0 / (rope.factor * rope.theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        return interpolated * (1 - kept) + inv * kept
     return inv
+
+
+def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, d] turned by each row's cos and sin [rows, d]: x cos + rotate_half(x) sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)

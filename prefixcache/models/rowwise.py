@@ -135,6 +135,13 @@ class TorchOps:
                      residual: torch.Tensor | None = None) -> torch.Tensor:
         return self.linear(self.geglu(gate_up), weight, None, residual)
 
+    def clamp_glu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's SwiGLU: the gate clamped above at limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha
+        gate), the sigmoid as 1 / (1 + exp(-y)) for swiglu's reason."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate / (1 + torch.exp(-(alpha * gate))))
+
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """GELU (tanh form) of the gate times up. tanh(y) as 1 - 2 / (exp(2y) + 1), for swiglu's reason."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -218,6 +225,9 @@ class KernelOps:
 
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.prefixcache.gelu_mul(gate_up.contiguous(), self.isa)
+
+    def clamp_glu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        return torch.ops.prefixcache.clamp_glu(gate_up.contiguous(), alpha, limit, self.isa)
 
     def logit_stats(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As TorchOps.logit_stats, each row in one pass of its own whatever the call's rows (kernels.inc)."""

@@ -11,11 +11,11 @@ from conftest import GREEDY, generate_with_logits, warm_and_cold
 from family_models import family_model
 
 from prefixcache import LLM, kernels
-from prefixcache.models import paged
+from prefixcache.models import paged, rope
 from prefixcache.models.attention import Queries
 from prefixcache.models.exactness import row_counts
 from prefixcache.models.kernel_check import attention64
-from prefixcache.models.llama import Llama, _rope
+from prefixcache.models.llama import Llama
 from prefixcache.models.loader import load
 from prefixcache.models.probe import _confirm, probe
 from prefixcache.models.rowwise import KernelOps, Packed
@@ -105,6 +105,21 @@ def test_rms_norm_and_swiglu_match_float64_and_every_row_count():
         assert torch.equal(norm, BUILDS[0].rms_norm(x, w, 1e-5)) and torch.equal(act, BUILDS[0].swiglu(gu))
 
 
+def test_gpt_oss_clamped_swiglu_matches_float64_every_row_count_and_build():
+    """(clamp(up, -7, 7) + 1) * g sigmoid(1.702 g), g = min(gate, 7), as HF's GptOssExperts._apply_gate; gates and
+    ups of 4 sigma reach the clamp."""
+    gu = 4 * torch.randn(33, 2 * 80, generator=torch.Generator().manual_seed(2))
+    gate, up = gu.double().chunk(2, dim=-1)
+    assert (gate > 7).any() and (up.abs() > 7).any()
+    gate = gate.clamp(max=7.0)
+    ref = (up.clamp(-7.0, 7.0) + 1) * gate * torch.sigmoid(1.702 * gate)
+    for ops in BUILDS:
+        act = ops.clamp_glu(gu, 1.702, 7.0)
+        assert _rel_err(act, ref, ref.abs() + 1e-3) < 1e-6
+        assert all(torch.equal(ops.clamp_glu(gu[3:3 + m], 1.702, 7.0), act[3:3 + m]) for m in (1, 2, 17))
+        assert torch.equal(act, BUILDS[0].clamp_glu(gu, 1.702, 7.0))
+
+
 def test_logit_stats_match_float64_every_row_count_and_build():
     """A row's max, the first index of it and log(sum(e^(x - max))), over vocabularies of 49,152 (SmolLM2) and 37
     (a partial vector): within fp32 rounding of float64, the same bits alone as in any batch and in both builds; a
@@ -139,18 +154,21 @@ def _pool(keys: int, kv_heads: int, d: int, g: torch.Generator, bs: int = 16):
     return k, v, (1 + torch.randperm(blocks, generator=g)).tolist()
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("heads, kv_heads, d, keys", [(9, 3, 64, 513), (4, 2, 16, 40), (32, 8, 128, 1100)])
-def test_paged_attention_matches_float64(heads, kv_heads, d, keys):
+def test_paged_attention_matches_float64(heads, kv_heads, d, keys, sinks):
+    """With gpt-oss's sinks too: a logit per head in the softmax's denominator (HF's eager_attention_forward)."""
     g = torch.Generator().manual_seed(keys)
     k, v, table = _pool(keys, kv_heads, d, g)
     pos = [0, 1, 15, 16, 17, keys // 2, keys - 2, keys - 1]
     q = torch.randn(len(pos), heads, d, generator=g)
+    s = 2 * torch.randn(heads, generator=g) if sinks else None
     p = paged.plan([Queries(0, pos, keys, table)], len(pos), 16)
     for ops in BUILDS:
-        out = paged.attend(q, *paged.laid_out(k, v), p, ops.isa)
+        out = paged.attend(q, *paged.laid_out(k, v), p, ops.isa, None, s)
         for i, n in enumerate(pos):
             slots = torch.tensor([table[j // 16] * 16 + j % 16 for j in range(n + 1)])
-            ref = attention64(q[i], k[slots], v[slots])
+            ref = attention64(q[i], k[slots], v[slots], s)
             assert ((out[i].double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (ops.name, n)
 
 
@@ -166,37 +184,40 @@ def test_rope_store_is_rope_then_store(heads, kv_heads, d):
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
     q, k, v = q.reshape(rows, heads, d), k.reshape(rows, kv_heads, d), v.reshape(rows, kv_heads, d)
     k_ref, v_ref = torch.zeros(slots_in_pool, kv_heads, d), torch.zeros(slots_in_pool, kv_heads, d)
-    paged.store(k_ref, v_ref, _rope(k, cos, sin)[:rows - 2], v[:rows - 2], slots)
+    paged.store(k_ref, v_ref, rope.apply(k, cos, sin)[:rows - 2], v[:rows - 2], slots)
     for ops in BUILDS:
         kp, vp = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
         out = paged.rope_store(qkv, cos, sin, kp, vp, slots, heads, kv_heads, ops.isa)
-        assert torch.equal(out, _rope(q, cos, sin)) and torch.equal(kp, k_ref) and torch.equal(vp, v_ref), ops.name
+        assert torch.equal(out, rope.apply(q, cos, sin)) and torch.equal(kp, k_ref) and torch.equal(vp, v_ref), ops.name
 
 
-def test_paged_attention_rows_do_not_depend_on_batch_chunking_placement_threads_or_build():
+@pytest.mark.parametrize("sinks", [False, True])
+def test_paged_attention_rows_do_not_depend_on_batch_chunking_placement_threads_or_build(sinks):
     """40 prompt tokens of one sequence and the decode tokens of 3 sequences sharing its blocks: each row's bits
     equal its own call's (whose 3 units are fewer than 2 a thread: its spans run apart, then fold), with the blocks
-    moved, in chunks, in any build."""
+    moved, in chunks, in any build; with gpt-oss's sinks too."""
     g = torch.Generator().manual_seed(7)
     heads, kvh, d, keys = 9, 3, 64, 700
     k, v, table = _pool(keys, kvh, d, g)
     pos = list(range(keys - 40, keys))
     q = torch.randn(43, heads, d, generator=g)
+    s = torch.randn(heads, generator=g) if sinks else None
     groups = [Queries(0, pos, keys, table)] + [Queries(40 + i, [keys - 1 - i], keys - i, table) for i in range(3)]
     kp, vp = paged.laid_out(k, v)
-    ref = paged.attend(q, kp, vp, paged.plan(groups, 43, 16), BUILDS[0].isa)
+    ref = paged.attend(q, kp, vp, paged.plan(groups, 43, 16), BUILDS[0].isa, None, s)
     threads = torch.get_num_threads()
     try:
         for t in (1, 2, 3):
             torch.set_num_threads(t)
             alone = torch.cat([paged.attend(q[i:i + 1], kp, vp, paged.plan([Queries(0, [p], p + 1, table)], 1, 16),
-                                            BUILDS[0].isa) for i, p in enumerate(pos + [keys - 1, keys - 2, keys - 3])])
+                                            BUILDS[0].isa, None, s)
+                               for i, p in enumerate(pos + [keys - 1, keys - 2, keys - 3])])
             assert torch.equal(ref, alone), t
     finally:
         torch.set_num_threads(threads)
     k2, v2, moved = paged.moved(k, v, table, g)
     chunks = [Queries(0, pos[:7], keys - 33, moved), Queries(7, pos[7:], keys, moved)]
-    out = paged.attend(q[:40], *paged.laid_out(k2, v2), paged.plan(chunks, 40, 16), BUILDS[-1].isa)
+    out = paged.attend(q[:40], *paged.laid_out(k2, v2), paged.plan(chunks, 40, 16), BUILDS[-1].isa, None, s)
     assert torch.equal(out, ref[:40])
 
 
@@ -290,18 +311,19 @@ def _recording(monkeypatch) -> dict[tuple, set[int]]:
         if callable(fn) and not name.startswith("_"):
             monkeypatch.setattr(KernelOps, name, record(name, fn, method_variant(fn)))
     monkeypatch.setattr(paged, "rope_store", record("rope_store", paged.rope_store, lambda qkv, *a: ((), len(qkv))))
-    monkeypatch.setattr(paged, "attend",
-                        record("attend", paged.attend, lambda q, k, v, p, *a: ((("window", p.window),), len(q))))
+    monkeypatch.setattr(paged, "attend", record("attend", paged.attend, lambda q, k, v, p, isa, scale=None, sinks=None:
+                                                ((("window", p.window), ("sinks", sinks is not None)), len(q))))
     monkeypatch.setattr(paged, "layers", record("layers", paged.layers,
                                                 lambda x, Ls, *a: ((("window", a[8].window),), len(x))))
     return calls
 
 
-@pytest.mark.parametrize("family", ["tiny_model", "tiny_gemma", "tiny_qwen_window", "tiny_moe"])
+@pytest.mark.parametrize("family", ["tiny_model", "tiny_gemma", "tiny_qwen_window", "tiny_moe", "tiny_gpt_oss"])
 def test_the_probe_checks_every_call_the_forward_makes_at_every_row_count(family, request, monkeypatch):
     """Whatever the forward calls on our kernels (found by running it, not listed here: a fused GEMM with its norm,
-    activation or residual, a norm, RoPE with the KV store, attention with and without a window, a mixture of
-    experts' router and experts, the sampler's logit_stats), the startup probe calls too, with the same kinds of
+    activation or residual, a GEMM with a bias, a norm, RoPE with the KV store, attention with and without a window
+    or sinks, a mixture of experts' router and experts (gpt-oss's clamped SwiGLU), the sampler's logit_stats), the
+    startup probe calls too, with the same kinds of
     arguments, at every row count of row_counts(the batch limit) (the LM head's: each up to max_head_rows; the
     sampler's: one row, as it calls)."""
     llm = LLM(model=request.getfixturevalue(family), enable_prefix_cache=False, max_batch_tokens=80, max_num_seqs=4)
@@ -310,9 +332,10 @@ def test_the_probe_checks_every_call_the_forward_makes_at_every_row_count(family
     forward = _recording(monkeypatch)
     llm.generate([list(range(5, 200)), [7] * 30, [9, 8, 7]], GREEDY)
     monkeypatch.undo()
-    windows = (0, 128) if family in ("tiny_gemma", "tiny_qwen_window") else (0,)  # global and local layers
-    if family in ("tiny_gemma", "tiny_moe"):  # layers of another form than paged.layers computes
-        assert {("attend", (("window", w),)) for w in windows} <= set(forward)
+    windows = (0, 128) if family in ("tiny_gemma", "tiny_qwen_window", "tiny_gpt_oss") else (0,)  # global, local
+    if family in ("tiny_gemma", "tiny_moe", "tiny_gpt_oss"):  # layers of another form than paged.layers computes
+        sinks = family == "tiny_gpt_oss"
+        assert {("attend", (("window", w), ("sinks", sinks))) for w in windows} <= set(forward)
     else:  # plain layers: one op a run
         assert {("layers", (("window", w),)) for w in windows} <= set(forward)
         assert not any(op == "attend" for op, _ in forward)

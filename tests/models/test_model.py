@@ -156,7 +156,9 @@ def test_rope_rows_do_not_depend_on_the_tables_length(threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for r in (rope.Rope(1e6), rope.Rope(5e5, "llama3", 32.0, 1.0, 4.0, 8192), rope.Rope(1e4, "linear", 8.0)):
+        for r in (rope.Rope(1e6), rope.Rope(5e5, "llama3", 32.0, 1.0, 4.0, 8192), rope.Rope(1e4, "linear", 8.0),
+                  rope.from_hf({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0,
+                                                    "original_max_position_embeddings": 4096, "truncate": False}})):
             for head_dim in (64, 80, 256):
                 full = rope.tables(r, head_dim, 32768, torch.float32)
                 for n in (1, 7, 100, 2049, 8192):

@@ -17,6 +17,7 @@ struct AttnArgs {
   int64_t heads, kv_heads, d, max_blocks, block_size;
   float scale;
   int64_t window;          // a token attends its last `window` keys, its own included; 0: keys 0..pos
+  const float* sinks;      // [heads] a logit per head in each row's softmax denominator (gpt-oss), or null
 };
 
 struct RopeArgs {
@@ -73,6 +74,7 @@ struct GemmArgs {
   void rms_norm(const float* x, const float* w, float* y, int64_t k, float eps, int64_t r0, int64_t r1);       \
   void silu_mul(const float* gate_up, float* y, int64_t i, int64_t r0, int64_t r1);                            \
   void gelu_mul(const float* gate_up, float* y, int64_t i, int64_t r0, int64_t r1);                            \
+  void clamp_glu(const float* gate_up, float* y, int64_t i, float alpha, float limit, int64_t r0, int64_t r1);   \
   void logit_stats(const float* x, int64_t v, float* stats, int64_t* argmax, int64_t r0, int64_t r1);          \
   void attend(const AttnArgs& a, float* scratch, int64_t u0, int64_t u1);                                      \
   void attend_spans(const AttnArgs& a, const int32_t* spans, float* partials, float* scratch, int64_t u0,        \

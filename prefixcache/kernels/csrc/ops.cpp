@@ -1,5 +1,5 @@
-// torch ops prefixcache::{supported, kinds, quant_rows, linear, rows, rms_norm, silu_mul, gelu_mul, logit_stats,
-// rope_store, attend, layers}:
+// torch ops prefixcache::{supported, kinds, quant_rows, linear, rows, rms_norm, silu_mul, gelu_mul, clamp_glu,
+// logit_stats, rope_store, attend, layers}:
 // argument checks, threads, and the ISA build each call names. Threads split panels, rows or attention units, never a
 // reduction.
 #include <ATen/ATen.h>
@@ -29,17 +29,19 @@ struct Isa {
   decltype(&avx2::rms_norm) rms_norm;
   decltype(&avx2::silu_mul) silu_mul;
   decltype(&avx2::gelu_mul) gelu_mul;
+  decltype(&avx2::clamp_glu) clamp_glu;
   decltype(&avx2::logit_stats) logit_stats;
   decltype(&avx2::attend) attend;
   decltype(&avx2::attend_spans) attend_spans;
   decltype(&avx2::attend_merge) attend_merge;
 };
 const Isa AVX512{"avx512", avx512::rope_store, avx512::gemm, avx512::gemm_scratch, avx512::panel,
-                 avx512::quant_rows, avx512::rms_norm, avx512::silu_mul, avx512::gelu_mul, avx512::logit_stats,
+                 avx512::quant_rows, avx512::rms_norm, avx512::silu_mul, avx512::gelu_mul, avx512::clamp_glu,
+                 avx512::logit_stats,
                  avx512::attend, avx512::attend_spans, avx512::attend_merge};
 const Isa AVX2{"avx2", avx2::rope_store, avx2::gemm, avx2::gemm_scratch, avx2::panel, avx2::quant_rows,
-               avx2::rms_norm, avx2::silu_mul, avx2::gelu_mul, avx2::logit_stats, avx2::attend, avx2::attend_spans,
-               avx2::attend_merge};
+               avx2::rms_norm, avx2::silu_mul, avx2::gelu_mul, avx2::clamp_glu, avx2::logit_stats, avx2::attend,
+               avx2::attend_spans, avx2::attend_merge};
 bool supports(const char* name) {
   __builtin_cpu_init();
   if (std::string(name) == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
@@ -90,7 +92,7 @@ void check_rms_norm(const at::Tensor& x, const at::Tensor& w) {
 
 void check_gated(const at::Tensor& gate_up) {
   check_f32(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul, gelu_mul: [rows, 2 * inter] expected, got ",
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul, gelu_mul, clamp_glu: [rows, 2 * inter] expected, got ",
               gate_up.sizes());
 }
 
@@ -106,7 +108,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_
 }
 
 // gate_up [m, 2 i] -> act(gate) * up [m, i]
-at::Tensor gated(const at::Tensor& gate_up, decltype(&avx2::silu_mul) act) {
+template <typename Act>
+at::Tensor gated(const at::Tensor& gate_up, Act act) {
   check_gated(gate_up);
   const int64_t inter = gate_up.size(1) / 2;
   at::Tensor y = at::empty({gate_up.size(0), inter}, gate_up.options());
@@ -119,6 +122,13 @@ at::Tensor gated(const at::Tensor& gate_up, decltype(&avx2::silu_mul) act) {
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) { return gated(gate_up, pick(isa).silu_mul); }
 
 at::Tensor gelu_mul(const at::Tensor& gate_up, int64_t isa) { return gated(gate_up, pick(isa).gelu_mul); }
+
+at::Tensor clamp_glu(const at::Tensor& gate_up, double alpha, double limit, int64_t isa) {
+  const Isa& k = pick(isa);
+  return gated(gate_up, [&](const float* gu, float* y, int64_t inter, int64_t r0, int64_t r1) {
+    k.clamp_glu(gu, y, inter, (float)alpha, (float)limit, r0, r1);
+  });
+}
 
 // logits [rows, vocab] -> (stats [rows, 2]: each row's max and log(sum(e^(x - max))), argmax [rows]: the first index
 // of its max), a row a thread (kernels.inc logit_stats says what a row of NaN or of -inf gives)
@@ -346,7 +356,8 @@ void check_plan(const AttnArgs& a, int64_t tokens, int64_t seqs, int64_t num_ite
 // Items (offsets into order) group tokens that read the same blocks; they change loads, never a token's bits.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
                   const at::Tensor& tables, const at::Tensor& row_seq, const at::Tensor& order,
-                  const at::Tensor& items, int64_t block_size, double scale, int64_t isa, int64_t window) {
+                  const at::Tensor& items, int64_t block_size, double scale, int64_t isa, int64_t window,
+                  const c10::optional<at::Tensor>& sinks) {
   check_f32(q, "q");
   check_f32(k, "k");
   check_f32(v, "v");
@@ -358,6 +369,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(block_size > 0 && block_size % 16 == 0, "attend: block_size must be a positive multiple of 16, got ",
               block_size);
   TORCH_CHECK(window >= 0, "attend: window must be 0 (none) or positive");
+  if (sinks) {
+    check_f32(*sinks, "sinks");
+    TORCH_CHECK(sinks->dim() == 1 && sinks->numel() == q.size(1), "attend: sinks must be [heads], got ",
+                sinks->sizes());
+  }
   const int64_t tokens = q.size(0);
   check_per_token(pos, at::kLong, "pos", tokens);
   check_per_token(row_seq, at::kInt, "row_seq", tokens);
@@ -371,7 +387,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   AttnArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
              pos.data_ptr<int64_t>(), tables.data_ptr<int32_t>(), row_seq.data_ptr<int32_t>(),
              order.data_ptr<int32_t>(), items.data_ptr<int32_t>(), q.size(1), k.size(1), q.size(2),
-             tables.size(1), block_size, (float)scale, window};
+             tables.size(1), block_size, (float)scale, window, sinks ? sinks->data_ptr<float>() : nullptr};
   const int64_t num_items = items.numel() - 1, units = num_items * a.kv_heads;
   check_plan(a, tokens, tables.size(0), num_items, k.size(0) / block_size);
   const int32_t* it = items.data_ptr<int32_t>();
@@ -427,7 +443,8 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& l
   const auto [qkv_w, qkv_k, qkv_r] = weight(0);
   const at::Tensor qkv = linear(x, qkv_w, qkv_k, qkv_r, qkv_bias, isa, ln1, eps, false, c10::nullopt);
   const at::Tensor q = rope_store(qkv, cos, sin, k_pool, v_pool, slots, heads, k_pool.size(1), isa);
-  const at::Tensor o = attend(q, k_pool, v_pool, pos, tables, row_seq, order, items, block_size, scale, isa, window);
+  const at::Tensor o = attend(q, k_pool, v_pool, pos, tables, row_seq, order, items, block_size, scale, isa, window,
+                              c10::nullopt);
   const auto [o_w, o_k, o_r] = weight(1);
   const at::Tensor h = linear(o.view({o.size(0), -1}), o_w, o_k, o_r, c10::nullopt, isa, c10::nullopt, 0., false, x);
   const auto [gu_w, gu_k, gu_r] = weight(2);
@@ -486,11 +503,12 @@ TORCH_LIBRARY(prefixcache, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor", &rms_norm);
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor", &silu_mul);
   m.def("gelu_mul(Tensor gate_up, int isa) -> Tensor", &gelu_mul);
+  m.def("clamp_glu(Tensor gate_up, float alpha, float limit, int isa) -> Tensor", &clamp_glu);
   m.def("logit_stats(Tensor logits, int isa) -> (Tensor, Tensor)", &logit_stats);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
         "int heads, int kv_heads, int isa) -> Tensor", &rope_store);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor tables, Tensor row_seq, Tensor order, "
-        "Tensor items, int block_size, float scale, int isa, int window=0) -> Tensor", &attend);
+        "Tensor items, int block_size, float scale, int isa, int window=0, Tensor? sinks=None) -> Tensor", &attend);
   m.def("layers(Tensor x, Tensor[] ln1, Tensor[] ln2, float eps, Tensor[] parts, int[] kinds, int[] rows, "
         "int[] counts, Tensor?[] qkv_bias, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, int[] pool_rows, "
         "Tensor slots, int heads, Tensor pos, Tensor tables, Tensor row_seq, Tensor order, Tensor items, "
